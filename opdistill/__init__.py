@@ -1,0 +1,1 @@
+"""opdistill: exact, memory-lean on-policy distillation of language models."""
