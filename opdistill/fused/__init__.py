@@ -1,0 +1,9 @@
+"""Fused linear losses: distill from hidden states and the lm_head weight, never holding more than one chunk of
+logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages), gradients for hidden, weight and bias."""
+
+from ._chunks import default_chunk_size
+from .jsd import fused_generalized_jsd
+from .logprobs import fused_token_logprobs
+from .topk import fused_topk_divergence
+
+__all__ = ["default_chunk_size", "fused_generalized_jsd", "fused_token_logprobs", "fused_topk_divergence"]

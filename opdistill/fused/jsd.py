@@ -1,0 +1,121 @@
+"""``fused_generalized_jsd``: TRL's generalized JSD from student and teacher hidden states, chunked over tokens.
+
+Per chunk: z_s = h_s W_s^T, z_t = h_t W_t^T (fp32), s = log_softmax(z_s / tau), t = log_softmax(z_t / tau), and the
+per-token divergence is ``ops.jsd.jsd_from_logprobs(s, t, beta)`` -- the unfused op's own stage.  Forward keeps only
+the per-token loss; backward recomputes each chunk and differentiates that chunk through ``jsd_from_logprobs``
+with the incoming per-token gradient, then
+
+    grad_h_s[chunk] = dL/dz_s @ W_s,    grad_W_s += dL/dz_s^T @ h_s[chunk]
+
+so at most one chunk of student and teacher logits (and their autograd buffers) is alive.  The teacher gets no
+gradient (as in TRL, where the teacher runs under no_grad); inputs that require one are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.checks import check_temperature, check_unit_interval
+from ..ops.jsd import jsd_from_logprobs
+from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, mm_fp32_nn
+from .logprobs import check_linear_inputs
+
+
+def _chunk_logprobs(h, w, temperature):
+    return torch.log_softmax(chunk_logits(h, w, None, temperature), dim=-1)
+
+
+class FusedJSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, beta, temperature, chunk_size):
+        N = hs.shape[0]
+        loss = torch.empty(N, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32, device=hs.device)
+        with torch.no_grad():
+            for a in range(0, N, chunk_size):
+                b = min(a + chunk_size, N)
+                t = _chunk_logprobs(ht[a:b], wt, temperature)
+                loss[a:b] = jsd_from_logprobs(_chunk_logprobs(hs[a:b], ws, temperature), t, beta)
+                del t
+        ctx.save_for_backward(hs, ws, ht, wt)
+        ctx.cfg = (beta, temperature, chunk_size)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hs, ws, ht, wt = ctx.saved_tensors
+        beta, temperature, chunk_size = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[:2]
+        cd = grad_loss.dtype
+        grad_h = torch.zeros(hs.shape, dtype=cd, device=hs.device) if need_h else None
+        grad_w = torch.zeros(ws.shape, dtype=cd, device=ws.device) if need_w else None
+        for a in range(0, hs.shape[0], chunk_size):
+            b = min(a + chunk_size, hs.shape[0])
+            with torch.no_grad():
+                t = _chunk_logprobs(ht[a:b], wt, temperature)
+                z = chunk_logits(hs[a:b], ws, None, 1.0)
+            z.requires_grad_(True)
+            with torch.enable_grad():
+                s = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
+                (dz,) = torch.autograd.grad(jsd_from_logprobs(s, t, beta), z, grad_loss[a:b])  # [c, V] dL/dz_s
+            del s, t, z
+            with torch.no_grad():
+                if need_h:
+                    grad_h[a:b] = mm_fp32_nn(dz, ws)
+                if need_w:
+                    grad_w.addmm_(dz.t(), hs[a:b].to(cd))
+            del dz
+        return (grad_h.to(hs.dtype) if need_h else None, grad_w.to(ws.dtype) if need_w else None,
+                None, None, None, None, None)
+
+
+def fused_generalized_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``generalized_jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta, temperature)``
+    per token, without a ``[N, V]`` buffer.
+
+    Args:
+        student_hidden: ``[..., H_s]``; student_weight: ``[V, H_s]`` (differentiable).
+        teacher_hidden: ``[..., H_t]`` (same leading dims); teacher_weight: ``[V, H_t]`` (same V; no gradient).
+        beta: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), TRL's mixture in between.
+        temperature: divides both logits.  chunk_size: tokens per chunk (None: automatic).
+    Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
+    """
+    Vs = check_linear_inputs(student_hidden, student_weight, None, hidden_name="student_hidden",
+                             weight_name="student_weight")
+    Vt = check_linear_inputs(teacher_hidden, teacher_weight, None, hidden_name="teacher_hidden",
+                             weight_name="teacher_weight")
+    if Vs != Vt:
+        raise ValueError(
+            f"student_weight has V={Vs} rows but teacher_weight has V={Vt}; the JSD needs one shared vocabulary"
+        )
+    if tuple(student_hidden.shape[:-1]) != tuple(teacher_hidden.shape[:-1]):
+        raise ValueError(
+            f"student_hidden and teacher_hidden must have the same leading dims, got {tuple(student_hidden.shape)} "
+            f"and {tuple(teacher_hidden.shape)}"
+        )
+    if student_hidden.dtype != teacher_hidden.dtype:
+        raise TypeError(f"teacher_hidden dtype {teacher_hidden.dtype} must match student_hidden dtype {student_hidden.dtype}")
+    for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        if x.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but the teacher gets no gradient from this loss; pass {name}.detach() "
+                "(or compute the teacher under torch.no_grad())"
+            )
+    check_unit_interval(beta, "beta")
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
+    lead = tuple(student_hidden.shape[:-1])
+    hs = student_hidden.reshape(-1, student_hidden.shape[-1])
+    ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]))
+    loss = FusedJSD.apply(hs, student_weight, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
+    return loss.reshape(lead)

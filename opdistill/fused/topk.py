@@ -1,0 +1,74 @@
+"""``fused_topk_divergence``: the top-k divergences of ``ops.topk`` from hidden states and the lm_head weight.
+
+The same named stages as ``topk_divergence``, with stage 1 (``student_logprobs_at``) replaced by the chunked
+``FusedLogprobs``: s = log pi(T) ``[N, K]``, plus the student's own top-K ids for the overlap metric.  Stages 2-4
+(``topk_loss_from_logprobs``, ``topk_masses``, ``topk_overlap``) run unchanged on ``[N, K]`` tensors, so every
+support x divergence, the clamps and the diagnostics are the unfused op's by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.checks import check_topk_inputs
+from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
+from ._chunks import check_chunk_size
+from .logprobs import check_linear_inputs, fused_logprobs, vocab_size_of
+
+
+def fused_topk_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    support: str = "truncated",
+    divergence: str = "forward",
+    beta: float = 0.5,
+    log_prob_min_clamp: float | None = None,
+    temperature: float = 1.0,
+    group=None,
+) -> TopKResult:
+    """``topk_divergence(hidden @ weight.T + bias, teacher_ids, teacher_logprobs, ...)`` without a ``[N, V]`` buffer.
+
+    Args:
+        hidden: ``[..., H]`` student final hidden states (any leading dims, matching the teacher's).
+        weight: student lm_head weight ``[V, H]`` (tied embeddings: the embedding matrix); with ``group``, this
+            rank's contiguous vocabulary shard ``[V_local, H]``, ranks in order.
+        teacher_ids, teacher_logprobs: ``[..., K]`` as for ``topk_divergence`` (``-inf`` = empty slot).
+        bias: ``[V]`` lm_head bias or None.
+        chunk_size: tokens per chunk; None picks ``default_chunk_size(N, V, H)`` (about 128 MiB of fp32 logits).
+        support, divergence, beta, log_prob_min_clamp, temperature: exactly as ``topk_divergence``.
+        group: process group the weight is vocabulary-sharded over (None: the whole vocabulary is here).
+    bf16/fp16 inputs: logits are accumulated and kept in fp32 (never rounded to bf16 first), gradients are
+    accumulated in fp32 and returned in the input dtype.  Returns a ``TopKResult`` of per-token tensors; ``loss``
+    is differentiable with respect to hidden, weight and bias.
+    """
+    check_linear_inputs(hidden, weight, bias)
+    check_chunk_size(chunk_size)
+    check_topk_inputs(
+        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=vocab_size_of(weight, group),
+    )
+    lead = tuple(hidden.shape[:-1])
+    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
+            f"got {tuple(teacher_ids.shape)}"
+        )
+    K = teacher_ids.shape[-1]
+    ids = teacher_ids.reshape(-1, K).long()
+    s, _, student_top = fused_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids, temperature=temperature, chunk_size=chunk_size,
+        want_entropy=False, student_topk=K, group=group,
+    )  # [N, K] log pi(T), [N, K] the student's own top-K ids
+    t = teacher_logprobs.reshape(-1, K).to(s.dtype)
+    loss = topk_loss_from_logprobs(
+        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
+    )
+    with torch.no_grad():
+        q, p = topk_masses(s, t)
+        count, advantage = topk_overlap(ids, t, student_top, s, log_prob_min_clamp)
+    return TopKResult(loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead))
