@@ -14,6 +14,7 @@ of size 1 (or ``None``) runs no collective.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -54,36 +55,67 @@ def _native_fp32_out(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _bf16_compute_fp32_out(enabled: bool):
+    """On CPU, let oneDNN run fp32 GEMMs with bf16 multiplies, fp32 accumulation and fp32 output.
+
+    Only entered for operands that are bf16 values upcast to fp32 (exactly representable in bf16), so the
+    internal downcast is exact and the result is the bf16 x bf16 -> fp32 GEMM the backend lacks an op for.
+    """
+    setting = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if not enabled or setting is None or not hasattr(setting, "fp32_precision") or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    before = setting.fp32_precision
+    setting.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
+
+
 def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b_t.T`` accumulated and returned in the compute dtype, for a (``[M, H]``) and b_t (``[V, H]``) of any
-    float dtype.  Low-precision operands are multiplied natively into fp32 where the backend can, else upcast
-    ``b_t`` one block of rows at a time (``a`` is small: one chunk)."""
+    """``a @ b_t.T`` accumulated and returned in the compute dtype, for a (``[M, H]``) and b_t (``[V, H]``) of one
+    float dtype.  Low-precision operands are multiplied natively into fp32 where the backend can (CUDA), else
+    ``b_t`` is upcast one block of rows at a time (``a`` is small: one chunk), never as a whole."""
     cd = compute_dtype(a.dtype)
     M, V = a.shape[0], b_t.shape[0]
     if out is None:
         out = torch.empty(M, V, dtype=cd, device=a.device)
-    if a.dtype == cd and b_t.dtype == cd:
+    if a.dtype == cd:
         return torch.mm(a, b_t.t(), out=out)
-    if a.dtype == b_t.dtype and _native_fp32_out(a.device.type, a.dtype):
+    if _native_fp32_out(a.device.type, a.dtype):
         out.copy_(torch.mm(a, b_t.t(), out_dtype=cd))
         return out
     a32 = a.to(cd)
     rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(b_t.shape[1], 1)))
-    for v0 in range(0, V, rows):
-        torch.mm(a32, b_t[v0 : v0 + rows].to(cd).t(), out=out[:, v0 : v0 + rows])
+    with _bf16_compute_fp32_out(a.dtype == torch.bfloat16 and a.device.type == "cpu"):
+        for v0 in range(0, V, rows):
+            torch.mm(a32, b_t[v0 : v0 + rows].to(cd).t(), out=out[:, v0 : v0 + rows])
     return out
 
 
-def mm_fp32_nn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a fp32 ``[M, V]`` (a logit gradient) and b ``[V, H]`` (the weight) of any dtype, in fp32."""
-    cd = a.dtype
-    if b.dtype == cd:
-        return a @ b
-    rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(b.shape[1], 1)))
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=cd, device=a.device)
-    for v0 in range(0, b.shape[0], rows):
-        out.addmm_(a[:, v0 : v0 + rows], b[v0 : v0 + rows].to(cd))
-    return out
+def grad_hidden_mm(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dL/dh = dL/dz @ W ``[c, H]``, returned in the compute dtype.
+
+    For bf16/fp16 weights the logit gradient is rounded to the weight dtype first and the GEMM runs natively (as
+    autograd does for a bf16 lm_head); each row of dL/dh is complete within its chunk, so it is rounded once.
+    """
+    if weight.dtype == dz.dtype:
+        return dz @ weight
+    return (dz.to(weight.dtype) @ weight).to(dz.dtype)
+
+
+def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """acc += dL/dz^T @ h in the compute dtype; ``acc`` (fp32 for bf16/fp16 weights) sums the chunks unrounded."""
+    if h.dtype == acc.dtype:
+        acc.addmm_(dz.t(), h)
+        return
+    if _native_fp32_out(h.device.type, h.dtype):
+        acc += torch.mm(dz.t().to(h.dtype), h, out_dtype=acc.dtype)
+        return
+    with _bf16_compute_fp32_out(h.dtype == torch.bfloat16 and h.device.type == "cpu"):
+        acc.addmm_(dz.t().to(h.dtype).to(acc.dtype), h.to(acc.dtype))
 
 
 class Shard:

@@ -17,7 +17,7 @@ import torch
 
 from ..ops.checks import check_temperature, check_unit_interval
 from ..ops.jsd import jsd_from_logprobs
-from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, mm_fp32_nn
+from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, grad_hidden_mm, grad_weight_addmm_
 from .logprobs import check_linear_inputs
 
 
@@ -60,9 +60,9 @@ class FusedJSD(torch.autograd.Function):
             del s, t, z
             with torch.no_grad():
                 if need_h:
-                    grad_h[a:b] = mm_fp32_nn(dz, ws)
+                    grad_h[a:b] = grad_hidden_mm(dz, ws)
                 if need_w:
-                    grad_w.addmm_(dz.t(), hs[a:b].to(cd))
+                    grad_weight_addmm_(grad_w, dz, hs[a:b])
             del dz
         return (grad_h.to(hs.dtype) if need_h else None, grad_w.to(ws.dtype) if need_w else None,
                 None, None, None, None, None)

@@ -34,7 +34,8 @@ from ._chunks import (
     chunk_logsumexp,
     chunk_topk,
     default_chunk_size,
-    mm_fp32_nn,
+    grad_hidden_mm,
+    grad_weight_addmm_,
 )
 
 
@@ -95,9 +96,9 @@ class FusedLogprobs(torch.autograd.Function):
                 dz = chunk_logit_grad(z, lse[a:b], ids[a:b], gs, ge, ent[a:b] if ge is not None else None,
                                       temperature, shard)  # [c, V_local] dL/dz
                 if need_h:
-                    grad_h[a:b] = mm_fp32_nn(dz, weight)  # dL/dh = dL/dz @ W
+                    grad_h[a:b] = grad_hidden_mm(dz, weight)  # dL/dh = dL/dz @ W
                 if need_w:
-                    grad_w.addmm_(dz.t(), h.to(cd))  # dL/dW += dL/dz^T @ h
+                    grad_weight_addmm_(grad_w, dz, h)  # dL/dW += dL/dz^T @ h
                 if need_b:
                     grad_b += dz.sum(0)
                 del z, dz
