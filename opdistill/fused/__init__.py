@@ -2,8 +2,20 @@
 logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages), gradients for hidden, weight and bias."""
 
 from ._chunks import default_chunk_size
+from .hf import causal_lm_hidden, check_lm_head, lm_head_of
+from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
 from .topk import fused_topk_divergence
 
-__all__ = ["default_chunk_size", "fused_generalized_jsd", "fused_token_logprobs", "fused_topk_divergence"]
+__all__ = [
+    "StudentHidden",
+    "TeacherHidden",
+    "causal_lm_hidden",
+    "check_lm_head",
+    "default_chunk_size",
+    "fused_generalized_jsd",
+    "fused_token_logprobs",
+    "fused_topk_divergence",
+    "lm_head_of",
+]

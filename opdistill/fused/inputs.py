@@ -1,0 +1,60 @@
+"""Input types that stand in for logits when the loss is fused with the lm_head: ``StudentHidden``, ``TeacherHidden``.
+
+``DistillationLoss`` dispatches on them: passing a ``StudentHidden`` where logits would go selects the fused path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.checks import check_temperature
+from .logprobs import check_linear_inputs
+
+
+@dataclass(frozen=True)
+class StudentHidden:
+    """The student as final hidden states plus its lm_head, in place of logits.
+
+    hidden ``[..., H]`` (after the model's final norm), weight ``[V, H]``, bias ``[V]`` or None; ``logit_scale`` is a
+    constant the model multiplies its logits by (1 for most models), folded into the temperature by ``temperature``.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        check_linear_inputs(self.hidden, self.weight, self.bias, hidden_name="StudentHidden.hidden",
+                            weight_name="StudentHidden.weight", bias_name="StudentHidden.bias")
+        c = self.logit_scale
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"StudentHidden.logit_scale must be a finite number > 0, got {c!r}")
+
+    def temperature(self, tau: float = 1.0) -> float:
+        """The temperature to give the fused ops so that they see logits * logit_scale / tau."""
+        check_temperature(tau)
+        return float(tau) / float(self.logit_scale)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class TeacherHidden:
+    """An in-process teacher as final hidden states plus lm_head (for the fused full-vocabulary JSD); no gradient."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        check_linear_inputs(self.hidden, self.weight, None, hidden_name="TeacherHidden.hidden",
+                            weight_name="TeacherHidden.weight")
+        c = self.logit_scale
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"TeacherHidden.logit_scale must be a finite number > 0, got {c!r}")
