@@ -82,14 +82,15 @@ def test_token_logprobs_gradcheck_float64():
 @pytest.mark.parametrize("beta", [0.0, 1e-3, 0.5, 1 - 1e-3, 1.0])
 @pytest.mark.parametrize("chunk_size", [3, 64])
 def test_jsd_matches_unfused(beta, chunk_size):
-    hs, ws, _, _, _, wts = make(n=19, bias=False)
+    hs, ws, bs, _, _, wts = make(n=19)
     g = torch.Generator().manual_seed(7)
     ht = torch.randn(19, 6, generator=g) * 0.6  # a teacher with another hidden size
     wt = torch.randn(83, 6, generator=g) * 0.6
-    j1 = generalized_jsd(hs @ ws.T, ht @ wt.T, beta=beta, temperature=0.9)
-    j2 = fused_generalized_jsd(hs, ws, ht, wt, beta=beta, temperature=0.9, chunk_size=chunk_size)
+    j1 = generalized_jsd(torch.nn.functional.linear(hs, ws, bs), ht @ wt.T, beta=beta, temperature=0.9)
+    j2 = fused_generalized_jsd(hs, ws, ht, wt, beta=beta, temperature=0.9, student_bias=bs, chunk_size=chunk_size)
     torch.testing.assert_close(j2, j1, **TOL)
-    for a, c in zip(torch.autograd.grad((j1 * wts).sum(), (hs, ws)), torch.autograd.grad((j2 * wts).sum(), (hs, ws))):
+    params = (hs, ws, bs)
+    for a, c in zip(torch.autograd.grad((j1 * wts).sum(), params), torch.autograd.grad((j2 * wts).sum(), params)):
         torch.testing.assert_close(c, a, **TOL)
 
 

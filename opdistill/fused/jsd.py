@@ -21,38 +21,39 @@ from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, grad_hi
 from .logprobs import check_linear_inputs
 
 
-def _chunk_logprobs(h, w, temperature):
-    return torch.log_softmax(chunk_logits(h, w, None, temperature), dim=-1)
+def _chunk_logprobs(h, w, b, temperature):
+    return torch.log_softmax(chunk_logits(h, w, b, temperature), dim=-1)
 
 
 class FusedJSD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, ht, wt, beta, temperature, chunk_size):
+    def forward(ctx, hs, ws, bs, ht, wt, beta, temperature, chunk_size):
         N = hs.shape[0]
         loss = torch.empty(N, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32, device=hs.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                t = _chunk_logprobs(ht[a:b], wt, temperature)
-                loss[a:b] = jsd_from_logprobs(_chunk_logprobs(hs[a:b], ws, temperature), t, beta)
+                t = _chunk_logprobs(ht[a:b], wt, None, temperature)
+                loss[a:b] = jsd_from_logprobs(_chunk_logprobs(hs[a:b], ws, bs, temperature), t, beta)
                 del t
-        ctx.save_for_backward(hs, ws, ht, wt)
+        ctx.save_for_backward(hs, ws, bs, ht, wt)
         ctx.cfg = (beta, temperature, chunk_size)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hs, ws, ht, wt = ctx.saved_tensors
+        hs, ws, bs, ht, wt = ctx.saved_tensors
         beta, temperature, chunk_size = ctx.cfg
-        need_h, need_w = ctx.needs_input_grad[:2]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cd = grad_loss.dtype
         grad_h = torch.zeros(hs.shape, dtype=cd, device=hs.device) if need_h else None
         grad_w = torch.zeros(ws.shape, dtype=cd, device=ws.device) if need_w else None
+        grad_b = torch.zeros(bs.shape, dtype=cd, device=bs.device) if need_b else None
         for a in range(0, hs.shape[0], chunk_size):
             b = min(a + chunk_size, hs.shape[0])
             with torch.no_grad():
-                t = _chunk_logprobs(ht[a:b], wt, temperature)
-                z = chunk_logits(hs[a:b], ws, None, 1.0)
+                t = _chunk_logprobs(ht[a:b], wt, None, temperature)
+                z = chunk_logits(hs[a:b], ws, bs, 1.0)
             z.requires_grad_(True)
             with torch.enable_grad():
                 s = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
@@ -63,9 +64,11 @@ class FusedJSD(torch.autograd.Function):
                     grad_h[a:b] = grad_hidden_mm(dz, ws)
                 if need_w:
                     grad_weight_addmm_(grad_w, dz, hs[a:b])
+                if need_b:
+                    grad_b += dz.sum(0)
             del dz
         return (grad_h.to(hs.dtype) if need_h else None, grad_w.to(ws.dtype) if need_w else None,
-                None, None, None, None, None)
+                grad_b.to(bs.dtype) if need_b else None, None, None, None, None, None)
 
 
 def fused_generalized_jsd(
@@ -76,6 +79,7 @@ def fused_generalized_jsd(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
+    student_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta, temperature)``
@@ -85,11 +89,12 @@ def fused_generalized_jsd(
         student_hidden: ``[..., H_s]``; student_weight: ``[V, H_s]`` (differentiable).
         teacher_hidden: ``[..., H_t]`` (same leading dims); teacher_weight: ``[V, H_t]`` (same V; no gradient).
         beta: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), TRL's mixture in between.
-        temperature: divides both logits.  chunk_size: tokens per chunk (None: automatic).
+        temperature: divides both logits.  student_bias: ``[V]`` lm_head bias or None (differentiable).
+        chunk_size: tokens per chunk (None: automatic).
     Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
     """
-    Vs = check_linear_inputs(student_hidden, student_weight, None, hidden_name="student_hidden",
-                             weight_name="student_weight")
+    Vs = check_linear_inputs(student_hidden, student_weight, student_bias, hidden_name="student_hidden",
+                             weight_name="student_weight", bias_name="student_bias")
     Vt = check_linear_inputs(teacher_hidden, teacher_weight, None, hidden_name="teacher_hidden",
                              weight_name="teacher_weight")
     if Vs != Vt:
@@ -117,5 +122,5 @@ def fused_generalized_jsd(
     ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     if chunk_size is None:
         chunk_size = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]))
-    loss = FusedJSD.apply(hs, student_weight, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
+    loss = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
     return loss.reshape(lead)
