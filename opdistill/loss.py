@@ -29,6 +29,13 @@ from .ops.jsd import generalized_jsd
 from .ops.policy import check_clip_ratios, ppo_clip_loss
 from .ops.sampled import ESTIMATORS, canonical_estimator, sampled_token_kl, token_logprobs
 from .ops.topk import topk_divergence
+from .fused import (
+    StudentHidden,
+    TeacherHidden,
+    fused_generalized_jsd,
+    fused_token_logprobs,
+    fused_topk_divergence,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ class TeacherLogits:
 
 
 _SIGNAL_FOR_MODE = {"topk": TeacherTopK, "sampled": TeacherSampled, "full": TeacherLogits}
+_FUSED_SIGNAL_FOR_MODE = {"topk": TeacherTopK, "sampled": TeacherSampled, "full": TeacherHidden}
 
 
 # -- config ------------------------------------------------------------------------------------------------------
@@ -251,7 +259,9 @@ class DistillationLoss:
         """Return ``(loss, metrics)`` for one micro-batch.
 
         student: logits ``[..., V]`` for loss_mode topk/full, the student's log-probs of the sampled tokens
-            ``[...]`` for loss_mode sampled.  ``mask [...]``: 1 where row t predicts a response token.
+            ``[...]`` for loss_mode sampled -- or, for every loss_mode, a ``StudentHidden`` (final hidden states plus
+            lm_head, e.g. from ``opdistill.fused.causal_lm_hidden``): the fused path, same numbers, no ``[..., V]``
+            logits (loss_mode sampled then needs ``sampled_ids``; loss_mode full needs a ``TeacherHidden``).  ``mask [...]``: 1 where row t predicts a response token.
         sampled_ids ``[...]``: the sampled tokens (policy gradient / task rewards with logits).
         old_logprobs ``[...]``: the sampler's log-probs (policy gradient / task rewards).
         task_advantages ``[...]``: per-token task advantages (use_task_rewards).
@@ -262,11 +272,15 @@ class DistillationLoss:
                 f"batch must be a GlobalBatch counted over the whole step, got {type(batch).__name__}; build it "
                 "with GlobalBatch.from_masks(all micro-batch masks, group=...)"
             )
-        expected = _SIGNAL_FOR_MODE[cfg.loss_mode]
+        fused = isinstance(student, StudentHidden)
+        expected = (_FUSED_SIGNAL_FOR_MODE if fused else _SIGNAL_FOR_MODE)[cfg.loss_mode]
         if not isinstance(teacher, expected):
             raise TypeError(f"loss_mode={cfg.loss_mode!r} needs teacher={expected.__name__}(...), got {type(teacher).__name__}")
-        check_float(student, "student")
-        lead = student.shape if cfg.loss_mode == "sampled" else student.shape[:-1]
+        if fused:
+            lead = student.hidden.shape[:-1]
+        else:
+            check_float(student, "student")
+            lead = student.shape if cfg.loss_mode == "sampled" else student.shape[:-1]
         m = check_mask(mask, "mask")
         if m.shape != lead:
             raise ValueError(f"mask must have shape {tuple(lead)} (the token dims of student), got {tuple(m.shape)}")
@@ -275,6 +289,12 @@ class DistillationLoss:
             raise ValueError("old_logprobs is required when use_policy_gradient or use_task_rewards is on")
         if cfg.use_task_rewards and task_advantages is None:
             raise ValueError("task_advantages is required when use_task_rewards=True")
+
+        if fused and cfg.loss_mode == "sampled":
+            # the student's log-prob of its sampled tokens, from hidden states (no [..., V] logits)
+            if sampled_ids is None:
+                raise ValueError("sampled_ids is required with loss_mode='sampled' and a StudentHidden student")
+            student = self._fused_logprobs(student, sampled_ids, m)
 
         metrics = MetricSums()
         per_token = self._per_token(student, teacher, m, metrics)  # [...] divergence L_t
@@ -294,8 +314,11 @@ class DistillationLoss:
             else:
                 if sampled_ids is None:
                     raise ValueError(f"sampled_ids is required for policy gradient / task rewards with loss_mode={cfg.loss_mode!r}")
-                safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
-                logprob = token_logprobs(student, safe_ids, temperature=cfg.temperature)
+                if fused:
+                    logprob = self._fused_logprobs(student, sampled_ids, m)
+                else:
+                    safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
+                    logprob = token_logprobs(student, safe_ids, temperature=cfg.temperature)
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:
@@ -313,6 +336,14 @@ class DistillationLoss:
         metrics.add_sum("loss/total", total.detach() / batch.dp_size)
         return total, metrics
 
+    def _fused_logprobs(self, student: StudentHidden, sampled_ids: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.shape != m.shape:
+            got = tuple(sampled_ids.shape) if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__
+            raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
+        safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids))
+        return fused_token_logprobs(student.hidden, student.weight, safe_ids, bias=student.bias,
+                                    temperature=student.temperature(self.config.temperature))
+
     def _per_token(self, student, teacher, m: torch.Tensor, metrics: MetricSums) -> torch.Tensor:
         """The per-token divergence, with masked positions sanitised (they may hold padding garbage)."""
         cfg = self.config
@@ -328,10 +359,13 @@ class DistillationLoss:
             # Masked rows become all-empty slots: zero loss, zero mass, nothing to validate.
             ids = torch.where(keep, ids, torch.zeros_like(ids))
             lp = torch.where(keep, lp, float("-inf"))
-            res = topk_divergence(
-                student, ids, lp, support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
-                log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
-            )
+            kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
+                      log_prob_min_clamp=cfg.log_prob_min_clamp)
+            if isinstance(student, StudentHidden):
+                res = fused_topk_divergence(student.hidden, student.weight, ids, lp, bias=student.bias,
+                                            temperature=student.temperature(cfg.temperature), **kw)
+            else:
+                res = topk_divergence(student, ids, lp, temperature=cfg.temperature, **kw)
             k = ids.shape[-1]
             metrics.add_mean("distillation/student_mass", res.student_mass, m)
             metrics.add_extrema("distillation/student_mass", res.student_mass, m)
@@ -347,6 +381,20 @@ class DistillationLoss:
             per_token = sampled_token_kl(torch.where(m, student, 0.0), torch.where(m, lp, 0.0), cfg.estimator)
             metrics.add_mean("distillation/abs_loss", per_token.abs(), m)
             return per_token
+        if isinstance(student, StudentHidden):
+            keep = m.unsqueeze(-1)
+            t = teacher
+            if t.hidden.shape[:-1] != m.shape:
+                raise ValueError(f"TeacherHidden.hidden must have shape {tuple(m.shape) + ('H',)}, got {tuple(t.hidden.shape)}")
+            if student.logit_scale != t.logit_scale:
+                raise ValueError(
+                    f"StudentHidden.logit_scale={student.logit_scale} and TeacherHidden.logit_scale={t.logit_scale} "
+                    "differ; the fused JSD applies one temperature to both sides"
+                )
+            return fused_generalized_jsd(
+                torch.where(keep, student.hidden, 0.0), student.weight, torch.where(keep, t.hidden, 0.0), t.weight,
+                beta=cfg.beta, temperature=student.temperature(cfg.temperature), student_bias=student.bias,
+            )
         t = teacher.logits
         if t.shape != student.shape:
             raise ValueError(f"TeacherLogits.logits must have the shape of student {tuple(student.shape)}, got {tuple(t.shape)}")
