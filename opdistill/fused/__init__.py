@@ -7,6 +7,7 @@ from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
 from .topk import fused_topk_divergence
+from .weighted import fused_topk_loss
 
 __all__ = [
     "StudentHidden",
@@ -17,5 +18,6 @@ __all__ = [
     "fused_generalized_jsd",
     "fused_token_logprobs",
     "fused_topk_divergence",
+    "fused_topk_loss",
     "lm_head_of",
 ]

@@ -1,0 +1,161 @@
+"""``fused_topk_loss``: the top-k loss already reduced with known per-token weights, gradients computed in forward.
+
+``fused_topk_divergence`` returns per-token losses, so its backward cannot know the per-token gradient before it
+arrives and must recompute each chunk's logits (four GEMMs per chunk in all).  When the caller already knows how the
+per-token losses will be combined -- ``objective = sum_t weights_t * clamp(L_t)``, which is what ``aggregate`` does
+in supervised mode (weights = D / N on valid tokens for token-mean, etc.) -- the gradient of every chunk can be
+computed while its logits are alive (Liger-Kernel's contract: each chunk contributes a sum, one place divides):
+
+    forward, per chunk:  z, lse, s = log pi(T);  g = d(sum_t w_t clamp(L_t)) / ds  (autograd on [c, K]);
+                         dL/dz = (1/tau) (scatter(g) - (sum_k g_k) pi);  grad_h[chunk] = dL/dz W;  grad_W += dL/dz^T h
+    backward:            the stored gradients times the incoming scalar gradient
+
+Three GEMMs per chunk (the floor), exact for this objective.  Use it when the objective is that weighted sum;
+anything else (policy gradient on the per-token loss, metrics that are differentiated) needs ``fused_topk_divergence``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.checks import check_float, check_topk_inputs
+from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
+from ._chunks import (
+    Shard,
+    check_chunk_size,
+    chunk_gather,
+    chunk_logit_grad,
+    chunk_logits,
+    chunk_logsumexp,
+    chunk_topk,
+    default_chunk_size,
+    grad_hidden_mm,
+    grad_weight_addmm_,
+)
+from .logprobs import check_linear_inputs
+
+
+class FusedWeightedLoss(torch.autograd.Function):
+    """(hidden [N, H], weight, bias, ids [N, K]) -> (sum_t objective_t, s [N, K] detached, top ids [N, k])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, objective, temperature, chunk_size, student_topk, group):
+        shard = Shard(weight, group)
+        N, cd = hidden.shape[0], (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+        s_all = torch.empty(ids.shape, dtype=cd, device=hidden.device)
+        top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
+        total = torch.zeros((), dtype=cd, device=hidden.device)
+        for a in range(0, N, chunk_size):
+            b = min(a + chunk_size, N)
+            h = hidden[a:b]
+            with torch.no_grad():
+                z = chunk_logits(h, weight, bias, 1.0)
+                if student_topk:
+                    top[a:b] = chunk_topk(z, student_topk, shard)
+                if temperature != 1.0:
+                    z /= temperature
+                lse = chunk_logsumexp(z, shard)
+                s = chunk_gather(z, ids[a:b], shard) - lse.unsqueeze(-1)
+            s_all[a:b] = s
+            s = s.requires_grad_(True)
+            with torch.enable_grad():
+                obj = objective(s, a, b).sum()
+                (g,) = torch.autograd.grad(obj, s)  # [c, K] d objective / d s
+            total += obj.detach()
+            with torch.no_grad():
+                dz = chunk_logit_grad(z, lse, ids[a:b], g, None, None, temperature, shard)  # [c, V_local]
+                if need_h:
+                    grad_h[a:b] = grad_hidden_mm(dz, weight)
+                if need_w:
+                    grad_weight_addmm_(grad_w, dz, h)
+                if need_b:
+                    grad_b += dz.sum(0)
+            del z, dz
+        if need_h and shard.parallel:
+            shard.all_reduce(grad_h)
+        # keep the gradients in the parameters' dtypes between forward and backward
+        ctx.grads = tuple(None if x is None else x.to(dt) for x, dt in
+                          ((grad_h, hidden.dtype), (grad_w, weight.dtype), (grad_b, None if bias is None else bias.dtype)))
+        ctx.mark_non_differentiable(s_all, top)
+        return total, s_all, top
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_s, _grad_top):
+        grads = tuple(None if x is None else x * grad_total.to(x.dtype) for x in ctx.grads)
+        ctx.grads = None
+        return grads + (None,) * 6
+
+
+def fused_topk_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    token_weights: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    support: str = "truncated",
+    divergence: str = "forward",
+    beta: float = 0.5,
+    log_prob_min_clamp: float | None = None,
+    temperature: float = 1.0,
+    loss_max_clamp: float | None = None,
+    group=None,
+) -> tuple[torch.Tensor, TopKResult]:
+    """(sum_t token_weights_t * clamp(L_t, -c, c), per-token ``TopKResult``), L_t as ``fused_topk_divergence``.
+
+    Args: as ``fused_topk_divergence``, plus
+        token_weights: ``[...]`` (the leading dims of hidden) weight of each token in the objective, e.g.
+            mask * D / N for token-mean; not differentiated.
+        loss_max_clamp: clamp each per-token loss to [-c, c] before weighting (None: off).
+    Returns the scalar objective (differentiable w.r.t. hidden, weight, bias; its gradient was computed in the
+    forward pass) and the detached per-token results (``loss`` unclamped) for metrics.
+    """
+    check_linear_inputs(hidden, weight, bias)
+    check_chunk_size(chunk_size)
+    vocab = Shard(weight, group).vocab
+    check_topk_inputs(
+        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=vocab,
+    )
+    lead = tuple(hidden.shape[:-1])
+    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
+            f"got {tuple(teacher_ids.shape)}"
+        )
+    check_float(token_weights, "token_weights")
+    if tuple(token_weights.shape) != lead:
+        raise ValueError(f"token_weights must have shape {lead} (the leading dims of hidden), got {tuple(token_weights.shape)}")
+    if loss_max_clamp is not None and (isinstance(loss_max_clamp, bool) or not isinstance(loss_max_clamp, (int, float))
+                                       or not loss_max_clamp > 0 or loss_max_clamp == float("inf")):
+        raise ValueError(f"loss_max_clamp must be a finite number > 0 or None, got {loss_max_clamp!r}")
+    K = teacher_ids.shape[-1]
+    ids = teacher_ids.reshape(-1, K).long()
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    t = teacher_logprobs.reshape(-1, K).to(cd)
+    w = token_weights.reshape(-1).detach().to(cd)
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+
+    def objective(s, a, b):  # per-token contributions of rows [a, b)
+        L = topk_loss_from_logprobs(s, t[a:b], **kw)
+        if loss_max_clamp is not None:
+            L = L.clamp(-loss_max_clamp, loss_max_clamp)
+        return L * w[a:b]
+
+    if chunk_size is None:
+        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1])
+    total, s, top = FusedWeightedLoss.apply(h2, weight, bias, ids, objective, float(temperature), int(chunk_size), K,
+                                            group)
+    with torch.no_grad():
+        loss = topk_loss_from_logprobs(s, t, **kw)
+        q, p = topk_masses(s, t)
+        count, advantage = topk_overlap(ids, t, top, s, log_prob_min_clamp)
+    res = TopKResult(loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead))
+    return total, res
