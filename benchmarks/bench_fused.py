@@ -4,7 +4,10 @@
     (b) chunked  the same [N, V] logits, then verl-style chunks: each chunk upcast to fp32, logsumexp, gather and
                  top-k under activation checkpointing (no fp32 [N, V] buffer, but the [N, V] logits and their
                  gradient remain)
-    (c) fused    ``opdistill.fused.fused_topk_divergence`` (one chunk of logits at a time, recomputed in backward)
+    (c) fused    ``opdistill.fused.fused_topk_divergence`` (one chunk of logits at a time, recomputed in backward;
+                 per-token losses, any downstream use)
+    (c') fused_w ``opdistill.fused.fused_topk_loss`` (the same loss reduced with known per-token weights, here 1/N;
+                 gradients computed in forward, no recompute)
     (d) floor    the three bare lm_head GEMMs with no loss: logits, grad_hidden, grad_weight
 
 Every configuration runs in a fresh subprocess.  Peak memory is that process's peak RSS minus its RSS once the
@@ -28,7 +31,7 @@ import time
 import torch
 
 H, V, K = 896, 151_936, 32
-METHODS = ("naive", "chunked", "fused", "floor")
+METHODS = ("naive", "chunked", "fused", "fused_w", "floor")
 
 
 def rss_bytes() -> int:
@@ -52,7 +55,7 @@ def make_inputs(n: int, dtype: torch.dtype, vocab: int = V, hidden: int = H, k: 
 
 
 def step(method: str, h, w, ids, lp):
-    from opdistill.fused import fused_topk_divergence
+    from opdistill.fused import fused_topk_divergence, fused_topk_loss
     from opdistill.ops.topk import topk_divergence, topk_loss_from_logprobs
 
     n = h.shape[0]
@@ -78,6 +81,10 @@ def step(method: str, h, w, ids, lp):
         (total / n).backward()
     elif method == "fused":
         loss = fused_topk_divergence(h, w, ids, lp, support="tail", divergence="forward").loss.sum() / n
+        loss.backward()
+    elif method == "fused_w":
+        weights = torch.full((n,), 1.0 / n)
+        loss, _ = fused_topk_loss(h, w, ids, lp, weights, support="tail", divergence="forward")
         loss.backward()
     elif method == "floor":
         with torch.no_grad():

@@ -85,7 +85,8 @@ class FusedWeightedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, _grad_s, _grad_top):
-        grads = tuple(None if x is None else x * grad_total.to(x.dtype) for x in ctx.grads)
+        # scale in place: the stored gradients are this Function's own buffers and are used once
+        grads = tuple(None if x is None else x.mul_(grad_total.to(x.dtype)) for x in ctx.grads)
         ctx.grads = None
         return grads + (None,) * 6
 
