@@ -118,3 +118,21 @@ def test_jsd_bad_inputs():
         fused_generalized_jsd(h, w, h, w, beta=1.5)
     with pytest.raises(ValueError, match="teacher_weight has H=3 columns but teacher_hidden has H=2"):
         fused_generalized_jsd(h, w, torch.randn(4, 2), w, beta=0.5)
+
+
+def test_mixed_dtypes_autocast_style():
+    # bf16 activations with fp32 master weights (torch.autocast): computed in fp32, each gradient in its own dtype
+    h64, w64, ids, lp = make(n=10, H=8, V=60, K=4)
+    hb = h64.bfloat16().requires_grad_(True)
+    w = w64.float().requires_grad_(True)
+    b = torch.zeros(60, requires_grad=True)
+    res = fused_topk_divergence(hb, w, ids, lp.float(), bias=b, chunk_size=3, support="tail", divergence="forward")
+    gh, gw, gb = torch.autograd.grad(res.loss.sum(), (hb, w, b))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32 and gb.dtype == torch.float32
+    h32 = hb.detach().float().requires_grad_(True)
+    w2 = w.detach().clone().requires_grad_(True)
+    ref = topk_divergence(h32 @ w2.T, ids, lp.float(), support="tail", divergence="forward")
+    rh, rw = torch.autograd.grad(ref.loss.sum(), (h32, w2))
+    torch.testing.assert_close(res.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh, rh.bfloat16())

@@ -75,21 +75,25 @@ def _bf16_compute_fp32_out(enabled: bool):
 
 
 def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b_t.T`` accumulated and returned in the compute dtype, for a (``[M, H]``) and b_t (``[V, H]``) of one
-    float dtype.  Low-precision operands are multiplied natively into fp32 where the backend can (CUDA), else
-    ``b_t`` is upcast one block of rows at a time (``a`` is small: one chunk), never as a whole."""
+    """``a @ b_t.T`` accumulated and returned in the compute dtype, for a (``[M, H]``) and b_t (``[V, H]``) of float
+    dtypes (fp64 only with fp64).  Low-precision operands are multiplied natively into fp32 where the backend can
+    (CUDA), else the low-precision ``b_t`` is upcast one block of rows at a time (``a`` is small: one chunk), never
+    as a whole."""
     cd = compute_dtype(a.dtype)
     M, V = a.shape[0], b_t.shape[0]
     if out is None:
         out = torch.empty(M, V, dtype=cd, device=a.device)
-    if a.dtype == cd:
+    if a.dtype == cd and b_t.dtype == cd:
         return torch.mm(a, b_t.t(), out=out)
-    if _native_fp32_out(a.device.type, a.dtype):
+    if a.dtype == b_t.dtype and _native_fp32_out(a.device.type, a.dtype):
         out.copy_(torch.mm(a, b_t.t(), out_dtype=cd))
         return out
     a32 = a.to(cd)
+    if b_t.dtype == cd:  # low-precision hidden, fp32 weight (autocast with fp32 master weights)
+        return torch.mm(a32, b_t.t(), out=out)
     rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(b_t.shape[1], 1)))
-    with _bf16_compute_fp32_out(a.dtype == torch.bfloat16 and a.device.type == "cpu"):
+    # the bf16-compute trick is exact only when both operands hold bf16 values
+    with _bf16_compute_fp32_out(a.dtype == b_t.dtype == torch.bfloat16 and a.device.type == "cpu"):
         for v0 in range(0, V, rows):
             torch.mm(a32, b_t[v0 : v0 + rows].to(cd).t(), out=out[:, v0 : v0 + rows])
     return out
@@ -106,10 +110,13 @@ def grad_hidden_mm(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (dz.to(weight.dtype) @ weight).to(dz.dtype)
 
 
-def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """acc += dL/dz^T @ h in the compute dtype; ``acc`` (fp32 for bf16/fp16 weights) sums the chunks unrounded."""
-    if h.dtype == acc.dtype:
-        acc.addmm_(dz.t(), h)
+def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, weight_dtype: torch.dtype) -> None:
+    """acc += dL/dz^T @ h in the compute dtype; ``acc`` (fp32 for bf16/fp16 weights) sums the chunks unrounded.
+
+    For a low-precision weight the logit gradient is rounded to the hidden dtype first (as autograd does for a
+    bf16 lm_head); for an fp32 weight nothing is rounded."""
+    if h.dtype == acc.dtype or weight_dtype == acc.dtype:
+        acc.addmm_(dz.t(), h.to(acc.dtype))
         return
     if _native_fp32_out(h.device.type, h.dtype):
         acc += torch.mm(dz.t().to(h.dtype), h, out_dtype=acc.dtype)

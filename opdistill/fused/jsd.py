@@ -63,7 +63,7 @@ class FusedJSD(torch.autograd.Function):
                 if need_h:
                     grad_h[a:b] = grad_hidden_mm(dz, ws)
                 if need_w:
-                    grad_weight_addmm_(grad_w, dz, hs[a:b])
+                    grad_weight_addmm_(grad_w, dz, hs[a:b], ws.dtype)
                 if need_b:
                     grad_b += dz.sum(0)
             del dz

@@ -98,7 +98,7 @@ class FusedLogprobs(torch.autograd.Function):
                 if need_h:
                     grad_h[a:b] = grad_hidden_mm(dz, weight)  # dL/dh = dL/dz @ W
                 if need_w:
-                    grad_weight_addmm_(grad_w, dz, h)  # dL/dW += dL/dz^T @ h
+                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)  # dL/dW += dL/dz^T @ h
                 if need_b:
                     grad_b += dz.sum(0)
                 del z, dz
@@ -114,7 +114,7 @@ class FusedLogprobs(torch.autograd.Function):
 
 
 def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_name="weight", bias_name="bias") -> int:
-    """hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]`` or None, one float dtype; returns V (local rows)."""
+    """hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]`` or None (the weight's dtype); returns V (local rows)."""
     check_float(hidden, hidden_name)
     check_float(weight, weight_name)
     if hidden.dim() < 2:
@@ -128,16 +128,19 @@ def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_na
         )
     if weight.shape[0] < 1:
         raise ValueError(f"{weight_name} has an empty vocabulary dim: shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"{weight_name} dtype {weight.dtype} must match {hidden_name} dtype {hidden.dtype}")
+    if (weight.dtype == torch.float64) != (hidden.dtype == torch.float64):
+        raise TypeError(
+            f"{weight_name} dtype {weight.dtype} and {hidden_name} dtype {hidden.dtype}: float64 only with float64 "
+            "(bf16/fp16/fp32 may mix; they are computed in fp32)"
+        )
     if weight.device != hidden.device:
         raise ValueError(f"{weight_name} is on {weight.device} but {hidden_name} is on {hidden.device}")
     if bias is not None:
         check_float(bias, bias_name)
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"{bias_name} must have shape ({weight.shape[0]},) (one per vocabulary row), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"{bias_name} dtype {bias.dtype} must match {hidden_name} dtype {hidden.dtype}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{bias_name} dtype {bias.dtype} must match {weight_name} dtype {weight.dtype}")
     return weight.shape[0]
 
 

@@ -71,7 +71,7 @@ class FusedWeightedLoss(torch.autograd.Function):
                 if need_h:
                     grad_h[a:b] = grad_hidden_mm(dz, weight)
                 if need_w:
-                    grad_weight_addmm_(grad_w, dz, h)
+                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)
                 if need_b:
                     grad_b += dz.sum(0)
             del z, dz
