@@ -35,6 +35,7 @@ from .fused import (
     fused_generalized_jsd,
     fused_token_logprobs,
     fused_topk_divergence,
+    fused_topk_loss,
 )
 
 logger = logging.getLogger(__name__)
@@ -297,7 +298,12 @@ class DistillationLoss:
             student = self._fused_logprobs(student, sampled_ids, m)
 
         metrics = MetricSums()
-        per_token = self._per_token(student, teacher, m, metrics)  # [...] divergence L_t
+        weights = None
+        if fused and cfg.loss_mode == "topk" and not cfg.use_policy_gradient:
+            # supervised fused top-k: the aggregation is a known linear map, so the fused op can compute the
+            # gradient while each chunk's logits are alive (no recompute in backward)
+            weights = _aggregation_weights(m, cfg.loss_agg_mode, batch, cu_seqlens, group, student.hidden)
+        per_token, precomputed = self._per_token(student, teacher, m, metrics, weights)  # [...] divergence L_t
         metrics.add_extrema("distillation/loss", per_token, m)  # -> loss_min / loss_max, before the clamp
         if cfg.loss_max_clamp is not None:
             c = cfg.loss_max_clamp
@@ -326,7 +332,8 @@ class DistillationLoss:
                                                        prefix="distillation/pg_", **agg)
             metrics.merge(pg_metrics)
         else:
-            distill = aggregate(per_token, m, cfg.loss_agg_mode, batch, cu_seqlens=cu_seqlens, group=group)
+            distill = precomputed if precomputed is not None else aggregate(
+                per_token, m, cfg.loss_agg_mode, batch, cu_seqlens=cu_seqlens, group=group)
         metrics.add_sum("distillation/loss", distill.detach() / batch.dp_size)
         if not cfg.use_task_rewards:
             return distill, metrics
@@ -344,8 +351,9 @@ class DistillationLoss:
         return fused_token_logprobs(student.hidden, student.weight, safe_ids, bias=student.bias,
                                     temperature=student.temperature(self.config.temperature))
 
-    def _per_token(self, student, teacher, m: torch.Tensor, metrics: MetricSums) -> torch.Tensor:
-        """The per-token divergence, with masked positions sanitised (they may hold padding garbage)."""
+    def _per_token(self, student, teacher, m: torch.Tensor, metrics: MetricSums, weights=None):
+        """(the per-token divergence, with masked positions sanitised (they may hold padding garbage), and the
+        aggregated clamped loss when the fused path computed it from ``weights``, else None)."""
         cfg = self.config
         if cfg.loss_mode == "topk":
             ids, lp = teacher.ids, teacher.logprobs
@@ -361,7 +369,12 @@ class DistillationLoss:
             lp = torch.where(keep, lp, float("-inf"))
             kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
                       log_prob_min_clamp=cfg.log_prob_min_clamp)
-            if isinstance(student, StudentHidden):
+            precomputed = None
+            if isinstance(student, StudentHidden) and weights is not None:
+                precomputed, res = fused_topk_loss(
+                    student.hidden, student.weight, ids, lp, weights, bias=student.bias,
+                    temperature=student.temperature(cfg.temperature), loss_max_clamp=cfg.loss_max_clamp, **kw)
+            elif isinstance(student, StudentHidden):
                 res = fused_topk_divergence(student.hidden, student.weight, ids, lp, bias=student.bias,
                                             temperature=student.temperature(cfg.temperature), **kw)
             else:
@@ -373,14 +386,14 @@ class DistillationLoss:
             metrics.add_extrema("distillation/teacher_mass", res.teacher_mass, m)
             metrics.add_ratio("distillation/overlap_ratio", res.overlap_count[m].sum(), k * int(m.sum()))
             metrics.add_mean("distillation/overlap_token_advantage", res.overlap_token_advantage, m & (res.overlap_count > 0))
-            return res.loss
+            return res.loss, precomputed
         if cfg.loss_mode == "sampled":
             lp = teacher.logprobs
             if lp.shape != m.shape:
                 raise ValueError(f"TeacherSampled.logprobs must have shape {tuple(m.shape)}, got {tuple(lp.shape)}")
             per_token = sampled_token_kl(torch.where(m, student, 0.0), torch.where(m, lp, 0.0), cfg.estimator)
             metrics.add_mean("distillation/abs_loss", per_token.abs(), m)
-            return per_token
+            return per_token, None
         if isinstance(student, StudentHidden):
             keep = m.unsqueeze(-1)
             t = teacher
@@ -394,11 +407,22 @@ class DistillationLoss:
             return fused_generalized_jsd(
                 torch.where(keep, student.hidden, 0.0), student.weight, torch.where(keep, t.hidden, 0.0), t.weight,
                 beta=cfg.beta, temperature=student.temperature(cfg.temperature), student_bias=student.bias,
-            )
+            ), None
         t = teacher.logits
         if t.shape != student.shape:
             raise ValueError(f"TeacherLogits.logits must have the shape of student {tuple(student.shape)}, got {tuple(t.shape)}")
         keep = m.unsqueeze(-1)
         return generalized_jsd(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
-                               beta=cfg.beta, temperature=cfg.temperature)
+                               beta=cfg.beta, temperature=cfg.temperature), None
+
+
+def _aggregation_weights(m, mode, batch, cu_seqlens, group, like: torch.Tensor) -> torch.Tensor:
+    """d aggregate / d per_token: every aggregation mode is linear in the per-token losses, so these weights turn
+    the micro-batch loss into sum_t w_t L_t exactly (same arithmetic as ``aggregate``, through autograd)."""
+    x = torch.zeros(m.shape, dtype=torch.float64 if like.dtype == torch.float64 else torch.float32,
+                    device=like.device, requires_grad=True)
+    with torch.enable_grad():
+        (w,) = torch.autograd.grad(aggregate(x, m, mode, batch, cu_seqlens=cu_seqlens, group=group), x,
+                                   allow_unused=True)
+    return torch.zeros_like(x) if w is None else w
 
