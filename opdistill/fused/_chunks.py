@@ -30,11 +30,13 @@ UPCAST_BLOCK_BYTES = 32 * 2**20
 MIN_CHUNK_ROWS = 32
 
 
-def default_chunk_size(n_tokens: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: as many as fit ``DEFAULT_CHUNK_BYTES`` of fp32 logits, at least ``MIN_CHUNK_ROWS`` (GEMM
-    efficiency) and, when the vocabulary is small next to the hidden size, at least ``hidden // 4`` rows (the chunk's
-    GEMM then costs more than its logits buffer is worth saving), and never more than N."""
-    rows = max(DEFAULT_CHUNK_BYTES // (4 * max(vocab, 1)), MIN_CHUNK_ROWS)
+def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False) -> int:
+    """Rows per chunk: as many as fit ``DEFAULT_CHUNK_BYTES`` of fp32 logits (twice that when ``upcast``: the
+    low-precision weight is then converted block by block once per chunk, a cost amortised over the chunk's rows),
+    at least ``MIN_CHUNK_ROWS`` (GEMM efficiency) and, when the vocabulary is small next to the hidden size, at least
+    ``hidden // 4`` rows (the chunk's GEMM then costs more than its logits buffer is worth saving); at most N."""
+    budget = DEFAULT_CHUNK_BYTES * (2 if upcast else 1)
+    rows = max(budget // (4 * max(vocab, 1)), MIN_CHUNK_ROWS)
     if vocab < hidden:
         rows = max(rows, hidden // 4)
     return max(1, min(n_tokens, rows))
@@ -53,6 +55,12 @@ def _native_fp32_out(device_type: str, dtype: torch.dtype) -> bool:
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):
         return False
+
+
+def needs_upcast(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``mm_fp32`` will upcast the weight block by block (low precision, no native fp32-output GEMM)."""
+    low = weight.dtype in (torch.bfloat16, torch.float16)
+    return low and not (hidden.dtype == weight.dtype and _native_fp32_out(weight.device.type, weight.dtype))
 
 
 @contextlib.contextmanager
@@ -93,9 +101,12 @@ def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None)
         return torch.mm(a32, b_t.t(), out=out)
     rows = max(1, UPCAST_BLOCK_BYTES // (4 * max(b_t.shape[1], 1)))
     # the bf16-compute trick is exact only when both operands hold bf16 values
+    buf = torch.empty(min(rows, V), b_t.shape[1], dtype=cd, device=a.device)  # one block, reused (no page faults)
     with _bf16_compute_fp32_out(a.dtype == b_t.dtype == torch.bfloat16 and a.device.type == "cpu"):
         for v0 in range(0, V, rows):
-            torch.mm(a32, b_t[v0 : v0 + rows].to(cd).t(), out=out[:, v0 : v0 + rows])
+            blk = b_t[v0 : v0 + rows]
+            blk32 = buf[: blk.shape[0]].copy_(blk)
+            torch.mm(a32, blk32.t(), out=out[:, v0 : v0 + blk.shape[0]])
     return out
 
 
@@ -121,8 +132,11 @@ def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, wei
     if _native_fp32_out(h.device.type, h.dtype):
         acc += torch.mm(dz.t().to(h.dtype), h, out_dtype=acc.dtype)
         return
-    with _bf16_compute_fp32_out(h.dtype == torch.bfloat16 and h.device.type == "cpu"):
-        acc.addmm_(dz.t().to(h.dtype).to(acc.dtype), h.to(acc.dtype))
+    if h.dtype == torch.bfloat16 and h.device.type == "cpu":
+        with _bf16_compute_fp32_out(True):  # oneDNN rounds dz to bf16 itself: no explicit round trip
+            acc.addmm_(dz.t(), h.to(acc.dtype))
+        return
+    acc.addmm_(dz.t().to(h.dtype).to(acc.dtype), h.to(acc.dtype))
 
 
 class Shard:

@@ -34,6 +34,7 @@ from ._chunks import (
     chunk_logsumexp,
     chunk_topk,
     default_chunk_size,
+    needs_upcast,
     grad_hidden_mm,
     grad_weight_addmm_,
 )
@@ -152,7 +153,8 @@ def vocab_size_of(weight: torch.Tensor, group) -> int:
 def fused_logprobs(hidden2d, weight, bias, ids2d, *, temperature, chunk_size, want_entropy, student_topk, group):
     """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``)."""
     if chunk_size is None:
-        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1])
+        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1],
+                                        upcast=needs_upcast(hidden2d, weight))
     return FusedLogprobs.apply(
         hidden2d, weight, bias, ids2d.long(), float(temperature), int(chunk_size), bool(want_entropy),
         int(student_topk), group,

@@ -31,6 +31,7 @@ from ._chunks import (
     default_chunk_size,
     grad_hidden_mm,
     grad_weight_addmm_,
+    needs_upcast,
 )
 from .logprobs import check_linear_inputs
 
@@ -151,7 +152,7 @@ def fused_topk_loss(
         return L * w[a:b]
 
     if chunk_size is None:
-        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1])
+        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1], upcast=needs_upcast(h2, weight))
     total, s, top = FusedWeightedLoss.apply(h2, weight, bias, ids, objective, float(temperature), int(chunk_size), K,
                                             group)
     with torch.no_grad():
