@@ -56,3 +56,19 @@ def test_bad_weights():
         fused_topk_loss(h, w, ids, lp, torch.ones(4, dtype=torch.long), support="tail", divergence="forward")
     with pytest.raises(ValueError, match="loss_max_clamp must be a finite number > 0"):
         fused_topk_loss(h, w, ids, lp, torch.ones(4), support="tail", divergence="forward", loss_max_clamp=0)
+
+
+def test_no_grad_and_frozen_weight():
+    h, w, b, ids, lp = make(lead=(6,))
+    wts = torch.rand(6)
+    with torch.no_grad():
+        total, res = fused_topk_loss(h, w, ids, lp, wts, bias=b, support="tail", divergence="forward")
+    assert not total.requires_grad
+    ref = topk_divergence(torch.nn.functional.linear(h, w, b), ids, lp, support="tail", divergence="forward")
+    torch.testing.assert_close(total, (ref.loss * wts).sum().detach(), **TOL)
+    w.requires_grad_(False)
+    total, _ = fused_topk_loss(h, w, ids, lp, wts, bias=b, chunk_size=4, support="tail", divergence="forward")
+    gh, gb = torch.autograd.grad(total, (h, b))
+    rh, rb = torch.autograd.grad((ref.loss * wts).sum(), (h, b))
+    torch.testing.assert_close(gh, rh, **TOL)
+    torch.testing.assert_close(gb, rb, **TOL)

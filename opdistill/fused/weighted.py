@@ -153,6 +153,9 @@ def fused_topk_loss(
 
     if chunk_size is None:
         chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1], upcast=needs_upcast(h2, weight))
+    if not torch.is_grad_enabled():  # evaluation: no gradient work in the forward pass
+        h2, weight = h2.detach(), weight.detach()
+        bias = None if bias is None else bias.detach()
     total, s, top = FusedWeightedLoss.apply(h2, weight, bias, ids, objective, float(temperature), int(chunk_size), K,
                                             group)
     with torch.no_grad():
