@@ -17,7 +17,15 @@ import torch
 
 from ..ops.checks import check_temperature, check_unit_interval
 from ..ops.jsd import jsd_from_logprobs
-from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, grad_hidden_mm, grad_weight_addmm_
+from ._chunks import (
+    MIN_CHUNK_ROWS,
+    check_chunk_size,
+    chunk_logits,
+    default_chunk_size,
+    grad_hidden_mm,
+    grad_weight_addmm_,
+    needs_upcast,
+)
 from .logprobs import check_linear_inputs
 
 
@@ -121,6 +129,10 @@ def fused_generalized_jsd(
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     if chunk_size is None:
-        chunk_size = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]))
+        # a chunk holds student and teacher logits, their log-softmaxes and the JSD's autograd temporaries
+        # (about four times the buffers of the top-k path): a quarter of the default rows
+        rows = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]),
+                                  upcast=needs_upcast(hs, student_weight))
+        chunk_size = max(1, min(hs.shape[0], max(rows // 4, MIN_CHUNK_ROWS)))
     loss = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
     return loss.reshape(lead)
