@@ -163,10 +163,13 @@ class DistillationConfig:
                 f"estimator={self.estimator!r} as a supervised loss has zero expected gradient "
                 "(E_pi[grad log pi] = 0): use k3 or k2 supervised, or k1 with use_policy_gradient=True"
             )
-        if self.loss_mode == "topk" and self.support == "truncated" and self.use_policy_gradient:
+        if self.use_policy_gradient and self.loss_mode in ("topk", "full"):
+            # SPEC 3.4 allows it (verl offers it) but it is almost never what the user wants: see docs/losses.md.
             logger.warning(
-                "support='truncated' with use_policy_gradient=True uses the top-k distribution only as a scalar "
-                "reward per token (it wastes the distribution); support='tail' is the exact alternative"
+                "use_policy_gradient=True with loss_mode=%r reduces the teacher's distribution to one scalar reward "
+                "per token (it wastes the distribution), and that reward depends only on the prefix, not on the "
+                "sampled token, so its expected per-token policy gradient is zero; the supervised rule follows the "
+                "divergence's gradient exactly", self.loss_mode,
             )
 
     @classmethod
