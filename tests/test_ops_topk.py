@@ -220,3 +220,15 @@ def test_seeded_values_are_pinned(support, div):
     got = topk_divergence(z, ids, lp, support=support, divergence=div).loss
     assert got.tolist() == pytest.approx(PINNED[(support, div)], rel=1e-12, abs=1e-15)
     torch.testing.assert_close(got, ref.topk_reference(z, ids, lp, support, div), rtol=1e-12, atol=1e-15)
+
+
+def test_overlap_example_from_verl_pr_6469():
+    """The worked example of verl's overlap-metrics PR: student top-2 per row vs teacher ids."""
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0, 0.0, 0.0], [8.0, 7.0, 0.0, 0.0, 9.0, 0.0], [9.0, 8.0, 7.0, 0.0, 0.0, 0.0]])
+    ids = torch.tensor([[1, 2], [4, 5], [3, 4]])
+    lp = torch.log(torch.tensor([[0.7, 0.2], [0.6, 0.3], [0.5, 0.4]]))
+    res = topk_divergence(logits, ids, lp)
+    assert res.overlap_count.tolist() == [2, 1, 0]
+    s = torch.log_softmax(logits, -1).gather(-1, ids)
+    adv = -(lp.exp() * (lp - s))
+    torch.testing.assert_close(res.overlap_token_advantage, torch.stack([adv[0].mean(), adv[1, 0], torch.tensor(0.0)]))
