@@ -6,6 +6,8 @@ splits into per-shard sums); only the log-softmax normalisers and the per-token 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -15,15 +17,28 @@ from .logsoftmax import _scaled
 from .shard import VocabShard, all_reduce_, resolve_shard, row_chunks
 
 
+def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
+    """a_j = d/ds_j of the summand of ``jsd_from_logprobs(s, t, beta)`` (s, t held as free variables), [..., V].
+
+        beta = 0:   phi = nu (t - s)                                   a = -nu
+        beta = 1:   phi = pi (s - t)                                   a = pi (s - t + 1)
+        otherwise:  phi = beta nu (t - m) + (1 - beta) pi (s - m)      a = (1 - beta) pi (s - m)
+                    (m = log(beta nu + (1 - beta) pi); the d m/d s terms cancel because beta nu + (1 - beta) pi = e^m)
+    Checked against autograd through ``jsd_from_logprobs`` in tests/test_parallel_ops.py.
+    """
+    if beta == 0.0:
+        return -torch.exp(t)
+    if beta == 1.0:
+        return torch.exp(s) * (s - t + 1.0)
+    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
+    return (1.0 - beta) * torch.exp(s) * (s - m)
+
+
 def _chunk_terms(xs, xt, lse, rows, w, tau, dtype, beta):
     """(per-token JSD of this chunk's columns [n], a = d(that)/ds [n, w], s [n, w]) via the single-device stage."""
     s = _scaled(xs[rows, :w], tau, dtype) - lse[rows, 0:1]
     t = _scaled(xt[rows, :w], tau, dtype) - lse[rows, 1:2]
-    with torch.enable_grad():
-        s_req = s.detach().requires_grad_(True)
-        val = jsd_from_logprobs(s_req, t, beta)  # [n]
-        (a,) = torch.autograd.grad(val.sum(), s_req)  # [n, w] elementwise partials, no graph kept
-    return val.detach(), a, s
+    return jsd_from_logprobs(s, t, beta), jsd_logprob_grad(s, t, beta), s
 
 
 class VocabParallelGeneralizedJSD(torch.autograd.Function):
@@ -33,8 +48,7 @@ class VocabParallelGeneralizedJSD(torch.autograd.Function):
         lse_s, lse_t   all-reduce MAX of the local maxima, then all-reduce SUM of the local sum-exps   [N, 2] each
         J              = all-reduce SUM over ranks of sum_{j local} phi(s_j, t_j)                   [N]
         A              = all-reduce SUM of sum_{j local} a_j,  a_j = d phi / d s_j              (same message as J)
-    phi is the summand of ``jsd_from_logprobs`` (beta = 0: nu(t - s); beta = 1: pi(s - t); else
-    beta nu(t - m) + (1 - beta) pi(s - m), m = log(beta nu + (1 - beta) pi), whose a_j = (1 - beta) pi_j (s_j - m_j)).
+    phi is the summand of ``jsd_from_logprobs`` and a_j its partial in s_j (``jsd_logprob_grad``).
     Backward (grad [N]):
         dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      chunk-wise from the saved logits; no collective
     The teacher is a constant: its logits get no gradient.  Saved: xs, xt (own dtype), lse [N, 2], A [N].
