@@ -83,18 +83,20 @@ def logit_grad(
 def global_topk_ids(shard: VocabShard, x: torch.Tensor, k: int) -> torch.Tensor:
     """The student's own top-k ids [N, k] over the whole vocabulary: local top-k, one all_gather, global top-k.
 
-    Values and ids travel in one float64 message (ids < 2**53 are exact).  Ties between equal logits may pick a
-    different id than a single-device ``torch.topk`` would (its tie order is unspecified as well).
+    Values and ids travel in one message of the compute dtype: fp32 holds bf16/fp16/fp32 logits exactly and ids
+    below 2**24; fp64 logits or a larger vocabulary use fp64.  Ties between equal logits may pick a different id
+    than a single-device ``torch.topk`` would (its tie order is unspecified as well).
     """
     n, w = x.shape[0], shard.width
-    local = torch.full((n, 2 * k), float("-inf"), dtype=torch.float64, device=x.device)  # [values | ids]
+    exact = torch.float32 if x.dtype != torch.float64 and shard.vocab_size <= 1 << 24 else torch.float64
+    local = torch.full((n, 2 * k), float("-inf"), dtype=exact, device=x.device)  # [values | ids]
     local[:, k:] = -1.0
     kl = min(k, w)
     if kl > 0:
         for rows in row_chunks(n, w):
             v, i = torch.topk(x[rows, :w], kl, dim=-1)
-            local[rows, :kl] = v.to(torch.float64)
-            local[rows, k : k + kl] = (i + shard.start).to(torch.float64)
+            local[rows, :kl] = v.to(exact)
+            local[rows, k : k + kl] = (i + shard.start).to(exact)
     both = all_gather_cat(local.unsqueeze(0), shard, dim=0)  # collective 3: [P, N, 2k]
     values = both[..., :k].permute(1, 0, 2).reshape(n, -1)  # [N, P*k]
     ids = both[..., k:].permute(1, 0, 2).reshape(n, -1)
