@@ -256,6 +256,26 @@ def check_size_one_groups(rank: int, world: int) -> None:
         raise AssertionError("group=None in a multi-process run must be refused")
 
 
+def check_unequal_widths(rank: int, world: int) -> None:
+    """torch.chunk-style plain shards (6 and 5 columns) are refused on every rank, in the first all-reduce."""
+    x, ids, lp = topk_case(2, (3, 5), 11, 6, world, torch.float64, duplicates=False)
+    ids = ids.clamp_max(9)  # in range for both ranks' idea of the vocabulary
+    lp[:] = float("-inf")
+    local = x.tensor_split(world, -1)[rank]
+    xt = torch.zeros_like(local)
+    for call in (
+        lambda: vocab_parallel_topk_divergence(local, ids, lp, group=dist.group.WORLD),
+        lambda: vocab_parallel_token_logprobs(local, ids[..., 0], group=dist.group.WORLD),
+        lambda: vocab_parallel_generalized_jsd(local, xt, group=dist.group.WORLD),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            assert "unequal widths" in str(e), str(e)
+        else:
+            raise AssertionError("unequal plain shards must be refused")
+
+
 def check_distillation_loss(rank: int, world: int, group) -> None:
     """DistillationLoss with the vocab-parallel back-end equals the default one on ragged padded/packed batches."""
     V = world * 6 - 3
@@ -453,6 +473,7 @@ def ranks2(rank: int, world: int, out_dir: str) -> None:
     group = dist.group.WORLD
     n = check_ops(rank, world, group, "tp=2")
     check_size_one_groups(rank, world)
+    check_unequal_widths(rank, world)
     check_dtensor(rank, world)
     check_distillation_loss(rank, world, group)
     check_saved_bytes(rank, world, group, "tp=2")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..ops.checks import check_logits, check_same_shape, check_temperature, check_unit_interval, compute_dtype
 from ..ops.jsd import jsd_from_logprobs
 from .logsoftmax import _scaled
-from .shard import VocabShard, all_reduce_, resolve_shard, row_chunks
+from .shard import VocabShard, all_reduce_, all_reduce_max_checked, resolve_shard, row_chunks
 
 
 def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
@@ -64,7 +64,7 @@ class VocabParallelGeneralizedJSD(torch.autograd.Function):
         for rows in chunks:
             m[rows, 0] = _scaled(xs[rows, :w], tau, dtype).amax(-1)
             m[rows, 1] = _scaled(xt[rows, :w], tau, dtype).amax(-1)
-        all_reduce_(m, dist.ReduceOp.MAX, shard)  # collective 1
+        m = all_reduce_max_checked(m, shard)  # collective 1 (and the layout check)
         for rows in chunks:
             se[rows, 0] = torch.exp(_scaled(xs[rows, :w], tau, dtype) - m[rows, 0:1]).sum(-1)
             se[rows, 1] = torch.exp(_scaled(xt[rows, :w], tau, dtype) - m[rows, 1:2]).sum(-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .shard import VocabShard, all_gather_cat, all_reduce_, row_chunks
+from .shard import VocabShard, all_gather_cat, all_reduce_, all_reduce_max_checked, row_chunks
 
 
 def _scaled(x: torch.Tensor, tau: float, dtype: torch.dtype) -> torch.Tensor:
@@ -49,7 +49,7 @@ def logsumexp_and_gather(
         for rows in row_chunks(n, w):
             m[rows] = _scaled(x[rows, :w], tau, dtype).amax(-1)
         picked = torch.where(owned, _scaled(x.gather(1, local), tau, dtype), 0.0)
-    all_reduce_(m, dist.ReduceOp.MAX, shard)  # collective 1: the global max
+    m = all_reduce_max_checked(m[:, None], shard)[:, 0]  # collective 1: the global max (and the layout check)
     buf = torch.zeros((n, 1 + ids.shape[1]), dtype=dtype, device=x.device)  # [N, 1 + K]: S, then z at ids
     buf[:, 1:] = picked
     if w > 0:

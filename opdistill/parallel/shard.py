@@ -35,6 +35,8 @@ class VocabShard:
     start       global id of local column 0
     width       local columns that are real vocabulary (<= Vl; the rest is padding)
     vocab_size  the true vocabulary size V
+    equal_widths  plain-tensor layout: every rank must hold the same number of columns (checked for free in
+                the first all-reduce, see ``all_reduce_max_checked``); False for a DTensor (torch.chunk widths)
     """
 
     local: torch.Tensor
@@ -44,6 +46,7 @@ class VocabShard:
     start: int
     width: int
     vocab_size: int
+    equal_widths: bool = False
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -106,7 +109,8 @@ def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logi
                 "an equal shard of the (padded) vocabulary, rank r owning columns [r * Vl, (r + 1) * Vl)"
             )
     width = max(0, min(local.shape[-1], V - start))
-    return VocabShard(local=local, group=group, size=size, rank=rank, start=start, width=width, vocab_size=V)
+    return VocabShard(local=local, group=group, size=size, rank=rank, start=start, width=width, vocab_size=V,
+                      equal_widths=not isinstance(logits, DTensor))
 
 
 # -- collectives: each is skipped for a group of one rank ---------------------------------------------------------
@@ -114,6 +118,24 @@ def all_reduce_(x: torch.Tensor, op, shard: VocabShard) -> torch.Tensor:
     if shard.size > 1:
         dist.all_reduce(x, op=op, group=shard.group)
     return x
+
+
+def all_reduce_max_checked(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """All-reduce MAX of ``x [N, ...]``, carrying (Vl, -Vl) in the same message to check that every rank holds
+    the same number of columns (rank r's offset is r * Vl only then); raises on every rank alike otherwise."""
+    if shard.size == 1:
+        return x
+    vl = shard.local.shape[-1]
+    both = torch.cat([x.reshape(-1), torch.tensor([vl, -vl], dtype=x.dtype, device=x.device)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=shard.group)
+    widest, narrowest = int(both[-2]), -int(both[-1])
+    if shard.equal_widths and widest != narrowest:
+        raise ValueError(
+            f"the vocabulary shards have unequal widths ({narrowest} to {widest} columns): a plain-tensor shard must "
+            "follow Megatron's layout (equal widths, rank r owning columns [r * Vl, (r + 1) * Vl); pad the vocabulary "
+            "and pass vocab_size), or pass a DTensor sharded on the last dim (torch.chunk widths)"
+        )
+    return both[:-2].view_as(x)
 
 
 def all_gather_cat(x: torch.Tensor, shard: VocabShard, dim: int = -1) -> torch.Tensor:
