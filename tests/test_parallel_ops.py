@@ -149,3 +149,29 @@ def test_bad_layouts_are_refused():
         vocab_parallel_topk_divergence(x.tolist(), ids, lp)
     with pytest.raises(ValueError, match="teacher_logprobs contains NaN"):
         vocab_parallel_topk_divergence(x, ids, torch.full_like(lp, math.nan))
+
+
+def test_zero_tokens_give_empty_results_and_gradients():
+    x = torch.randn(0, 10, requires_grad=True)
+    ids, lp = torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3)
+    res = vocab_parallel_topk_divergence(x, ids, lp, support="tail")
+    res.loss.sum().backward()
+    assert res.loss.shape == res.overlap_count.shape == (0,) and x.grad.shape == (0, 10)
+    assert vocab_parallel_token_logprobs(x, ids[:, 0]).shape == (0,)
+    assert vocab_parallel_generalized_jsd(x, x.detach()).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_compute_in_fp32_like_the_single_device_op(dtype):
+    x, ids, lp = _case(V=50, lead=(6,), dtype=torch.float32)
+    x = x.to(dtype)
+    xr, xl = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ref = topk_divergence(xr, ids, lp, support="tail", divergence="reverse", temperature=0.7)
+    got = vocab_parallel_topk_divergence(xl, ids, lp, support="tail", divergence="reverse", temperature=0.7)
+    assert got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, ref.loss, rtol=0, atol=1e-6)
+    assert torch.equal(got.overlap_count, ref.overlap_count)
+    got.loss.sum().backward()
+    ref.loss.sum().backward()
+    assert xl.grad.dtype == dtype
+    torch.testing.assert_close(xl.grad.float(), xr.grad.float(), rtol=0, atol=1e-3)

@@ -98,7 +98,7 @@ def global_topk_ids(shard: VocabShard, x: torch.Tensor, k: int) -> torch.Tensor:
             local[rows, :kl] = v.to(exact)
             local[rows, k : k + kl] = (i + shard.start).to(exact)
     both = all_gather_cat(local.unsqueeze(0), shard, dim=0)  # collective 3: [P, N, 2k]
-    values = both[..., :k].permute(1, 0, 2).reshape(n, -1)  # [N, P*k]
-    ids = both[..., k:].permute(1, 0, 2).reshape(n, -1)
+    values = both[..., :k].permute(1, 0, 2).reshape(n, shard.size * k)  # [N, P*k]
+    ids = both[..., k:].permute(1, 0, 2).reshape(n, shard.size * k)
     best = torch.topk(values, k, dim=-1).indices
     return ids.gather(1, best).long()
