@@ -471,7 +471,7 @@ def ranks2(rank: int, world: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     group = dist.group.WORLD
-    n = check_ops(rank, world, group, "tp=2")
+    n = check_ops(rank, world, group, "tp=2") + check_random_sweep(rank, world, group)
     check_size_one_groups(rank, world)
     check_unequal_widths(rank, world)
     check_dtensor(rank, world)
@@ -505,7 +505,7 @@ def ranks4(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     group = dist.group.WORLD
-    n = check_ops(rank, world, group, "tp=4")
+    n = check_ops(rank, world, group, "tp=4") + check_random_sweep(rank, world, group)
     check_saved_bytes(rank, world, group, "tp=4")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_group = mesh["dp"].get_group()
@@ -528,3 +528,43 @@ def ranks4(rank: int, world: int, out_dir: str) -> None:
         save_run(out_dir, "tp2x2", params, history)
         with open(os.path.join(out_dir, "ops_checks.txt"), "w") as f:
             f.write(str(n))
+
+
+def check_random_sweep(rank: int, world: int, group, cases: int = 40) -> int:
+    """Seeded random cases (V, K, N, tau, support x divergence, empty slots, duplicates) in fp64 and fp32."""
+    g = torch.Generator().manual_seed(2024)
+    done = 0
+    for case in range(cases):
+        support, div, beta, clamp = COMBOS[int(torch.randint(len(COMBOS), (), generator=g))]
+        k = int(torch.randint(1, 7, (), generator=g))
+        V = int(torch.randint(max(k, world), 41, (), generator=g))
+        Vl = -(-V // world)
+        n = int(torch.randint(1, 12, (), generator=g))
+        tau = [0.5, 1.0, 2.0][case % 3]
+        dtype = torch.float64 if case % 2 else torch.float32
+        x = torch.randn(n, V, generator=g, dtype=torch.float64) * 3
+        teacher = torch.log_softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 2, -1)
+        if support == "truncated":
+            ids = torch.randint(0, V, (n, k), generator=g)  # duplicates allowed
+        else:
+            ids = torch.argsort(torch.rand(n, V, generator=g), -1)[:, :k]
+        lp = teacher.gather(1, ids)
+        lp = lp - torch.logsumexp(lp, -1, keepdim=True).clamp_min(0.0)
+        lp[torch.rand(n, k, generator=g) < 0.15] = float("-inf")
+        x, lp = x.to(dtype), lp.to(dtype)
+        kw = dict(support=support, divergence=div, beta=beta, log_prob_min_clamp=clamp, temperature=tau)
+        xr = x.clone().requires_grad_(True)
+        ref = topk_divergence(xr, ids, lp, **kw)
+        xl = shard_of(x, rank, world, Vl).requires_grad_(True)
+        got = vocab_parallel_topk_divergence(xl, ids, lp, group=group, vocab_size=V, **kw)
+        tol, what = TOL[dtype], f"sweep case {case}: {dtype} V={V} K={k} N={n} tau={tau} {support}/{div}/{beta}/{clamp}"
+        for f in ("loss", "student_mass", "teacher_mass", "overlap_token_advantage"):
+            _close(getattr(got, f), getattr(ref, f), tol, f"{what} {f}")
+        assert torch.equal(got.overlap_count, ref.overlap_count), what + " overlap_count"
+        ref.loss.sum().backward()
+        got.loss.sum().backward()
+        start, width = rank * Vl, max(0, min(Vl, V - rank * Vl))
+        _close(xl.grad[..., :width], xr.grad[..., start : start + width], tol, what + " grad")
+        assert not xl.grad[..., width:].any(), what + " padding grad"
+        done += 1
+    return done

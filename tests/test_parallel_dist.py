@@ -14,6 +14,9 @@ import torch
 
 from . import parallel_workers as W
 
+# A hung collective fails after gloo's 120 s timeout; this bounds the whole launch as well.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -62,7 +65,7 @@ def test_padded_equals_packed_one_process(reference):
 
 def test_ops_two_ranks(ranks2):
     with open(os.path.join(ranks2, "ops_checks.txt")) as f:
-        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4)
+        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4) + 40
 
 
 def test_ddp_two_ranks_equals_one_process(ranks2, reference):
@@ -75,7 +78,7 @@ def test_fsdp2_two_ranks_packed_equals_one_process(ranks2, reference):
 
 def test_ops_four_ranks(ranks4):
     with open(os.path.join(ranks4, "ops_checks.txt")) as f:
-        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4)
+        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4) + 40
 
 
 def test_dp_x_tp_mesh_equals_one_process(ranks4, reference):
