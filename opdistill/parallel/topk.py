@@ -3,7 +3,7 @@
 Same arguments, same ``TopKResult``, same numbers (up to the summation order of the log-sum-exp).  The per-token
 math is the single-device stages, unchanged: ``topk_loss_from_logprobs``, ``topk_masses``, ``topk_overlap``; only
 s_k = log pi(i_k) (``logsoftmax.logsumexp_and_gather``) and its logit gradient (``logsoftmax.logit_grad``) know
-about the shards.  Collectives per call: all-reduce MAX [N], all-reduce SUM [N, 1 + K], all_gather [N, 2K]
+about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM [N, 1 + K], all_gather [N, 2K]
 (the overlap metric); none in backward; none at all for a group of one rank.
 """
 
