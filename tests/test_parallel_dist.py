@@ -1,6 +1,6 @@
 """Vocab-parallel ops and data-parallel training on real gloo processes (2 and 4 ranks), vs one process.
 
-One launch per world size runs every check of that size (see tests/parallel_workers.py): the op checks assert
+One launch per world size runs every check of that size (see tests/parallel_training.py): the op checks assert
 inside the workers; the training runs leave their final parameters and reduced metrics for the tests below.
 """
 
@@ -12,7 +12,9 @@ import os
 import pytest
 import torch
 
-from . import parallel_workers as W
+from . import parallel_op_checks as C
+from . import parallel_training as W
+from .parallel_launch import launch
 
 # A hung collective fails after gloo's 120 s timeout; this bounds the whole launch as well.
 pytestmark = pytest.mark.timeout(600)
@@ -27,14 +29,14 @@ def reference():
 @pytest.fixture(scope="module")
 def ranks2(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranks2"))
-    W.launch("ranks2", 2, out)
+    launch("tests.parallel_training:ranks2", 2, out)
     return out
 
 
 @pytest.fixture(scope="module")
 def ranks4(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranks4"))
-    W.launch("ranks4", 4, out)
+    launch("tests.parallel_training:ranks4", 4, out)
     return out
 
 
@@ -65,7 +67,7 @@ def test_padded_equals_packed_one_process(reference):
 
 def test_ops_two_ranks(ranks2):
     with open(os.path.join(ranks2, "ops_checks.txt")) as f:
-        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4) + 40
+        assert int(f.read()) == 2 * 2 * 2 * (len(C.COMBOS) + 4) + 40
 
 
 def test_ddp_two_ranks_equals_one_process(ranks2, reference):
@@ -78,7 +80,7 @@ def test_fsdp2_two_ranks_packed_equals_one_process(ranks2, reference):
 
 def test_ops_four_ranks(ranks4):
     with open(os.path.join(ranks4, "ops_checks.txt")) as f:
-        assert int(f.read()) == 2 * 2 * 2 * (len(W.COMBOS) + 4) + 40
+        assert int(f.read()) == 2 * 2 * 2 * (len(C.COMBOS) + 4) + 40
 
 
 def test_dp_x_tp_mesh_equals_one_process(ranks4, reference):

@@ -21,7 +21,8 @@ from opdistill.parallel import (
 )
 from opdistill.parallel.jsd import jsd_logprob_grad
 
-from . import parallel_workers as W
+from . import parallel_op_checks as W
+from .parallel_launch import CollectiveCounter
 
 
 def _case(V=13, lead=(3, 5), dtype=torch.float64, seed=0, duplicates=False):
@@ -34,7 +35,7 @@ def test_group_none_runs_no_collective_and_equals_single_device(combo):
     x, ids, lp = _case(duplicates=support == "truncated")
     kw = dict(support=support, divergence=div, beta=beta, log_prob_min_clamp=clamp, temperature=0.7)
     xr, xl = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    with W.CollectiveCounter() as counter:
+    with CollectiveCounter() as counter:
         got = vocab_parallel_topk_divergence(xl, ids, lp, **kw)
         got.loss.sum().backward()
     assert counter.calls == []
@@ -49,7 +50,7 @@ def test_group_none_runs_no_collective_and_equals_single_device(combo):
 def test_token_logprobs_and_jsd_run_no_collective():
     x, ids, _ = _case()
     xt = torch.randn(x.shape, dtype=torch.float64)
-    with W.CollectiveCounter() as counter:
+    with CollectiveCounter() as counter:
         a = vocab_parallel_token_logprobs(x, ids[..., 0])
         b = vocab_parallel_generalized_jsd(x, xt, beta=0.3)
     assert counter.calls == []

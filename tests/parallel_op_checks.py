@@ -1,34 +1,28 @@
-"""Per-rank bodies of the parallel tests, run in real gloo processes (``launch``), plus the shared fixtures.
+"""Per-rank checks of the vocab-parallel ops against the single-device ops (run inside gloo workers).
 
-Not a test module: ``tests/test_parallel_*.py`` launch these.  Each launch costs a few seconds, so one launch of
-P ranks runs every P-rank check: ``ranks2`` (vocab-parallel ops at tp=2, size-1 groups, DDP, FSDP2) and ``ranks4``
-(ops at tp=4, the 2x2 dp x tp mesh).  Op checks assert inside the workers against the single-device op computed
-on the same (seeded, identical on every rank) full tensors; training runs save final parameters and reduced
-metrics to ``out_dir`` for the test to compare with the one-process run.
+Every rank builds the same full tensors from a seed, computes the single-device result, and compares it with the
+vocab-parallel op on its own shard: values within 1e-5 (fp32) / 1e-10 (fp64), overlap_count exactly, and its
+gradient shard equal to the matching slice of the single-device gradient (zero on padding columns).
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
 import math
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from opdistill.batch import GlobalBatch
 from opdistill.loss import DistillationConfig, DistillationLoss, TeacherTopK
-from opdistill.metrics import MetricSums
 from opdistill.ops import generalized_jsd, token_logprobs, topk_divergence
 from opdistill.parallel import (
     vocab_parallel_generalized_jsd,
     vocab_parallel_token_logprobs,
     vocab_parallel_topk_divergence,
 )
+
+from .parallel_launch import CollectiveCounter
 
 K = 4
 COMBOS = [  # (support, divergence, beta, log_prob_min_clamp): every combination topk_divergence accepts
@@ -46,49 +40,6 @@ COMBOS = [  # (support, divergence, beta, log_prob_min_clamp): every combination
     ("renormalized", "jsd", 1.0, None),
 ]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier")
-
-
-# -- launching ---------------------------------------------------------------------------------------------------
-def launch(target: str, world: int, out_dir: str) -> None:
-    """Run ``target(rank, world, out_dir)`` on ``world`` gloo processes; a failure in any rank raises here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(world, port, target, out_dir), nprocs=world, join=True)
-
-
-def _entry(rank: int, world: int, port: int, target: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        globals()[target](rank, world, out_dir)
-    finally:
-        dist.destroy_process_group()
-
-
-class CollectiveCounter:
-    """Replace every torch.distributed collective by a counter (context manager) -- for the no-collective tests."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def __enter__(self):
-        self._saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-        for n in self._saved:
-            setattr(dist, n, functools.partial(self._record, n))
-        return self
-
-    def _record(self, name, *args, **kwargs):
-        self.calls.append(name)
-        raise AssertionError(f"unexpected collective dist.{name}")
-
-    def __exit__(self, *exc):
-        for n, f in self._saved.items():
-            setattr(dist, n, f)
-        return False
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
@@ -140,7 +91,6 @@ def _close(a, b, tol, what):
     assert a.shape == b.shape, (what, a.shape, b.shape)
     err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.1g}"
-
 
 # -- op checks ---------------------------------------------------------------------------------------------------
 def check_ops(rank: int, world: int, group, tag: str) -> int:
@@ -357,177 +307,6 @@ def _check_seen(seen, inputs, dtype, N, Vl, what):
         other += nbytes
     assert other <= 8 * N * (4 * K + 4), f"{what}: {other} bytes saved beyond the inputs"
 
-
-# -- end-to-end data-parallel exactness ----------------------------------------------------------------------------
-TRAIN_V, TRAIN_STEPS, PROMPT = 45, 3, 2
-LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]  # 8 ragged sequences: 4 micro-batches of 2
-TRAIN_CFG = dict(support="tail", divergence="forward", loss_agg_mode="seq-mean-token-mean")
-
-
-def tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=TRAIN_V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).to(torch.float64)
-
-
-def global_batch_data():
-    """The fixed step: per sequence its tokens, target mask (next-token, response only) and teacher top-k rows."""
-    g = torch.Generator().manual_seed(1234)
-    seqs = []
-    for n in LENGTHS:
-        tokens = torch.randint(0, TRAIN_V, (n,), generator=g)
-        response = torch.arange(n) >= PROMPT
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[:-1] = response[1:]  # row t predicts token t + 1
-        teacher = torch.log_softmax(torch.randn(n, TRAIN_V, generator=g, dtype=torch.float64) * 2, -1)
-        ids = torch.topk(teacher, K, -1).indices
-        seqs.append((tokens, mask, ids, teacher.gather(1, ids)))
-    return seqs
-
-
-def micro_batch(seqs, packed: bool):
-    """Padded [b, S] (right padding, garbage teacher rows on the padding) or packed [N] with cu_seqlens."""
-    if packed:
-        tokens = torch.cat([s[0] for s in seqs])
-        pos = torch.cat([torch.arange(len(s[0])) for s in seqs])
-        cu = torch.tensor([0] + [len(s[0]) for s in seqs]).cumsum(0)
-        return dict(tokens=tokens[None], pos=pos[None], mask=torch.cat([s[1] for s in seqs]),
-                    ids=torch.cat([s[2] for s in seqs]), lp=torch.cat([s[3] for s in seqs]), cu=cu)
-    S = max(len(s[0]) for s in seqs)
-
-    def pad(x, fill):
-        return torch.stack([torch.cat([t, t.new_full((S - len(t),) + t.shape[1:], fill)]) for t in x])
-
-    return dict(tokens=pad([s[0] for s in seqs], 0), pos=None, mask=pad([s[1] for s in seqs], False),
-                ids=pad([s[2] for s in seqs], 0), lp=pad([s[3] for s in seqs], 0.0), cu=None)
-
-
-def train(model, seqs_per_mb, *, packed: bool, group=None, loss_fn=None, sync_grads=None):
-    """3 AdamW steps on the fixed step: GlobalBatch over the dp group, sum of micro-batch losses, reduced metrics."""
-    loss_fn = loss_fn or DistillationLoss(DistillationConfig(**TRAIN_CFG))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    mbs = [micro_batch(s, packed) for s in seqs_per_mb]
-    history = []
-    for _ in range(TRAIN_STEPS):
-        batch = GlobalBatch.from_masks([mb["mask"] for mb in mbs], group=group,
-                                       cu_seqlens=[mb["cu"] for mb in mbs] if packed else None)
-        metrics = MetricSums()
-        opt.zero_grad()
-        for mb in mbs:
-            out = model(input_ids=mb["tokens"], position_ids=mb["pos"], use_cache=False).logits
-            logits = out[0] if packed else out
-            loss, m = loss_fn(logits, TeacherTopK(mb["ids"], mb["lp"]), mb["mask"], batch, cu_seqlens=mb["cu"],
-                              group=group)
-            loss.backward()
-            metrics.merge(m)
-        if sync_grads is not None:
-            sync_grads()
-        opt.step()
-        history.append(metrics.reduce(group))
-    return history
-
-
-def full_params(model) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        p = p.detach()
-        out[name.removeprefix("module.")] = (p.full_tensor() if isinstance(p, DTensor) else p).clone()
-    return out
-
-
-def save_run(out_dir: str, tag: str, params: dict, history: list) -> None:
-    torch.save(params, os.path.join(out_dir, f"{tag}.pt"))
-    with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
-        json.dump(history, f)
-
-
-def reference_run(packed: bool):
-    """(a) one process, 4 micro-batches of 2 sequences."""
-    seqs = global_batch_data()
-    model = tiny_model()
-    history = train(model, [seqs[i : i + 2] for i in range(0, 8, 2)], packed=packed)
-    return full_params(model), history
-
-
-def _my_micro_batches(dp_rank: int, dp: int):
-    seqs = global_batch_data()
-    per_rank = len(seqs) // dp
-    mine = seqs[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-    return [mine[i : i + 2] for i in range(0, len(mine), 2)]
-
-
-# -- launch targets ------------------------------------------------------------------------------------------------
-def ranks2(rank: int, world: int, out_dir: str) -> None:
-    """Every 2-rank check: ops at tp=2, size-1 groups, DTensor, DistillationLoss back-end, DDP, FSDP2."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
-    group = dist.group.WORLD
-    n = check_ops(rank, world, group, "tp=2") + check_random_sweep(rank, world, group)
-    check_size_one_groups(rank, world)
-    check_unequal_widths(rank, world)
-    check_dtensor(rank, world)
-    check_distillation_loss(rank, world, group)
-    check_saved_bytes(rank, world, group, "tp=2")
-    mbs = _my_micro_batches(rank, world)
-    # (b) DDP, 2 ranks x 2 micro-batches
-    ddp = DistributedDataParallel(tiny_model())
-    history = train(ddp, mbs, packed=False, group=group)
-    params = full_params(ddp)
-    if rank == 0:
-        save_run(out_dir, "ddp", params, history)
-    # (c) FSDP2, 2 ranks x 2 micro-batches, packed layout
-    model = tiny_model()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    history = train(model, mbs, packed=True, group=group)
-    params = full_params(model)
-    if rank == 0:
-        save_run(out_dir, "fsdp", params, history)
-        with open(os.path.join(out_dir, "ops_checks.txt"), "w") as f:
-            f.write(str(n))
-
-
-def ranks4(rank: int, world: int, out_dir: str) -> None:
-    """Every 4-rank check: ops at tp=4, and the 2x2 (dp x tp) mesh with a vocab-sharded lm_head."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    group = dist.group.WORLD
-    n = check_ops(rank, world, group, "tp=4") + check_random_sweep(rank, world, group)
-    check_saved_bytes(rank, world, group, "tp=4")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_group = mesh["dp"].get_group()
-    model = tiny_model()
-    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
-    assert isinstance(model.lm_head.weight, DTensor)
-
-    def sync_grads():  # data-parallel average over the dp group (what DDP does), local shards for DTensors
-        for p in model.parameters():
-            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=dp_group)
-            g.div_(2)
-
-    # The logits are a DTensor sharded on the vocab: the vocab-parallel op takes the tp group from its mesh.
-    loss_fn = DistillationLoss(DistillationConfig(**TRAIN_CFG), topk_fn=vocab_parallel_topk_divergence)
-    history = train(model, _my_micro_batches(mesh["dp"].get_local_rank(), 2), packed=False, group=dp_group,
-                    loss_fn=loss_fn, sync_grads=sync_grads)
-    params = full_params(model)
-    if rank == 0:
-        save_run(out_dir, "tp2x2", params, history)
-        with open(os.path.join(out_dir, "ops_checks.txt"), "w") as f:
-            f.write(str(n))
 
 
 def check_random_sweep(rank: int, world: int, group, cases: int = 40) -> int:
