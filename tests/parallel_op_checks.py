@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from opdistill.batch import GlobalBatch
-from opdistill.loss import DistillationConfig, DistillationLoss, TeacherTopK
+from opdistill.loss import DistillationConfig, DistillationLoss, TeacherLogits, TeacherTopK
 from opdistill.ops import generalized_jsd, token_logprobs, topk_divergence
 from opdistill.parallel import (
     vocab_parallel_generalized_jsd,
@@ -227,37 +227,52 @@ def check_unequal_widths(rank: int, world: int) -> None:
 
 
 def check_distillation_loss(rank: int, world: int, group) -> None:
-    """DistillationLoss with the vocab-parallel back-end equals the default one on ragged padded/packed batches."""
+    """DistillationLoss with the vocab-parallel back-ends equals the default one on ragged padded/packed batches:
+    top-k supervised, top-k policy gradient (token_logprobs_fn), full-vocabulary JSD (jsd_fn)."""
     V = world * 6 - 3
     Vl = -(-V // world)
     x, ids, lp = topk_case(11, (4, 7), V, Vl, world, torch.float64, duplicates=False)
+    g = torch.Generator().manual_seed(12)
+    xt = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    sampled = torch.randint(0, V, (4, 7), generator=g)
+    old = (token_logprobs(x, sampled) + 0.1 * torch.randn((4, 7), generator=g, dtype=torch.float64)).detach()
     lengths = torch.tensor([7, 2, 5, 0])  # uneven, one empty sequence
     mask = torch.arange(7)[None, :] < lengths[:, None]
     dp = [dist.new_group([r]) for r in range(world)][rank]  # pure tensor parallelism: data-parallel size 1
-    cfg = DistillationConfig(support="tail", divergence="reverse", loss_agg_mode="seq-mean-token-mean")
-    ref_fn = DistillationLoss(cfg)
-    par_fn = DistillationLoss(cfg, topk_fn=functools.partial(vocab_parallel_topk_divergence, group=group, vocab_size=V))
-    for packed in (False, True):
-        if packed:
-            keep = mask
-            xs, ids_, lp_, m = x[keep], ids[keep], lp[keep], mask[keep]
-            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        else:
-            xs, ids_, lp_, m, cu = x, ids, lp, mask, None
+    bind = dict(group=group, vocab_size=V)
+    backends = dict(topk_fn=functools.partial(vocab_parallel_topk_divergence, **bind),
+                    token_logprobs_fn=functools.partial(vocab_parallel_token_logprobs, **bind),
+                    jsd_fn=functools.partial(vocab_parallel_generalized_jsd, **bind))
+    configs = [
+        DistillationConfig(support="tail", divergence="reverse", loss_agg_mode="seq-mean-token-mean"),
+        DistillationConfig(support="renormalized", divergence="jsd", beta=0.3, use_policy_gradient=True),
+        DistillationConfig(loss_mode="full", beta=0.3, temperature=0.7, loss_agg_mode="seq-mean-token-sum"),
+    ]
+    for cfg, packed in ((c, p) for c in configs for p in (False, True)):
+        sel = (lambda t: t[mask]) if packed else (lambda t: t)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]) if packed else None
+        m = sel(mask)
         batch = GlobalBatch.from_masks(m, cu_seqlens=cu, group=dp)
-        xr = xs.clone().requires_grad_(True)
-        xl = shard_of(xs, rank, world, Vl).requires_grad_(True)
-        lr, mr = ref_fn(xr, TeacherTopK(ids_, lp_), m, batch, cu_seqlens=cu)
-        lg, mg = par_fn(xl, TeacherTopK(ids_, lp_), m, batch, cu_seqlens=cu)
+        xr = sel(x).clone().requires_grad_(True)
+        xl = shard_of(sel(x), rank, world, Vl).requires_grad_(True)
+        if cfg.loss_mode == "full":
+            t_ref, t_par = TeacherLogits(sel(xt)), TeacherLogits(shard_of(sel(xt), rank, world, Vl, pad_value=-30.0))
+        else:
+            t_ref = t_par = TeacherTopK(sel(ids), sel(lp))
+        kw = dict(cu_seqlens=cu, sampled_ids=sel(sampled), old_logprobs=sel(old)) if cfg.use_policy_gradient else dict(cu_seqlens=cu)
+        lr, mr = DistillationLoss(cfg)(xr, t_ref, m, batch, **kw)
+        lg, mg = DistillationLoss(cfg, **backends)(xl, t_par, m, batch, **kw)
         lr.backward()
         lg.backward()
-        _close(lg, lr, 1e-10, f"DistillationLoss packed={packed}")
+        what = f"DistillationLoss {cfg.loss_mode} pg={cfg.use_policy_gradient} packed={packed}"
+        _close(lg, lr, 1e-10, what)
         start, width = rank * Vl, max(0, min(Vl, V - rank * Vl))
-        _close(xl.grad[..., :width], xr.grad[..., start : start + width], 1e-10, "DistillationLoss grad")
+        _close(xl.grad[..., :width], xr.grad[..., start : start + width], 1e-10, what + " grad")
+        assert xr.grad.abs().max() > 0, what + ": vacuous (no gradient)"
         a, b = mr.reduce(dp), mg.reduce(dp)
         assert a.keys() == b.keys()
         for k in a:
-            assert abs(a[k] - b[k]) <= 1e-10, (k, a[k], b[k])
+            assert abs(a[k] - b[k]) <= 1e-10, (what, k, a[k], b[k])
 
 
 # -- saved tensors -----------------------------------------------------------------------------------------------
