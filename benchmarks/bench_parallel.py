@@ -5,6 +5,7 @@
 Two ways to get the top-k loss from vocab-sharded logits [N, V/P]:
   vocab-parallel   ``vocab_parallel_topk_divergence``: all-reduce MAX [N], all-reduce SUM [N, 1+K], all_gather [N, 2K]
   gather-logits    all_gather the shards into [N, V], then ``topk_divergence`` on the full logits
+"saved" is what autograd keeps for backward beyond the input logits (``saved_tensors_hooks``), per token and rank.
 Bytes are measured by wrapping the torch.distributed calls (message bytes each rank passes in) and converted to
 the traffic each rank sends with ring algorithms: all-reduce 2 (P-1)/P M, all_gather (P-1) M.  Wall time is the
 median of a few forward+backward iterations on CPU with gloo, one thread per rank (on a machine with fewer cores
@@ -76,6 +77,23 @@ def gather_logits_loss(local, ids, lp, group, world):
     return topk_divergence(torch.cat(parts, -1), ids, lp, support="tail").loss
 
 
+def saved_bytes(forward, inp: torch.Tensor) -> int:
+    """Bytes autograd saves for backward during ``forward()`` (then runs the backward), beyond the input logits'
+    own storage."""
+    storages = {}  # data_ptr -> bytes: a tensor saved twice (e.g. by logsumexp and gather) counts once
+    ptr = inp.untyped_storage().data_ptr()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != ptr:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    loss.sum().backward()
+    return sum(storages.values())
+
+
 def timed(fn, iters: int) -> float:
     fn()  # warm-up
     times = []
@@ -99,19 +117,17 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         local.requires_grad_(True)
 
         def vp():
-            local.grad = None
-            vocab_parallel_topk_divergence(local, ids, lp, group=group, vocab_size=args.vocab, support="tail").loss.sum().backward()
+            return vocab_parallel_topk_divergence(local, ids, lp, group=group, vocab_size=args.vocab, support="tail").loss
 
         def gl():
-            local.grad = None
-            gather_logits_loss(local, ids, lp, group, world).sum().backward()
+            return gather_logits_loss(local, ids, lp, group, world)
 
         rows = []
-        for name, fn in (("vocab-parallel", vp), ("gather-logits", gl)):
+        for name, forward in (("vocab-parallel", vp), ("gather-logits", gl)):
             with ByteCounter(world) as c:
-                fn()
-            t = timed(fn, args.iters)
-            rows.append((name, world, c.message / args.tokens, c.ring / args.tokens, t))
+                saved = saved_bytes(forward, local)
+            t = timed(lambda: forward().sum().backward(), args.iters)
+            rows.append((name, world, c.message / args.tokens, c.ring / args.tokens, saved / args.tokens, t))
         if rank == 0:
             with open(out_path, "a") as f:
                 for r in rows:
@@ -127,16 +143,15 @@ def single(args, out_path: str) -> None:
     x.requires_grad_(True)
 
     def vp():
-        x.grad = None
-        vocab_parallel_topk_divergence(x, ids, lp, support="tail").loss.sum().backward()
+        return vocab_parallel_topk_divergence(x, ids, lp, support="tail").loss
 
     def ref():
-        x.grad = None
-        topk_divergence(x, ids, lp, support="tail").loss.sum().backward()
+        return topk_divergence(x, ids, lp, support="tail").loss
 
     with open(out_path, "a") as f:
-        f.write(f"vocab-parallel\t1\t0\t0\t{timed(vp, args.iters)}\n")
-        f.write(f"topk_divergence\t1\t0\t0\t{timed(ref, args.iters)}\n")
+        for name, forward in (("vocab-parallel", vp), ("topk_divergence", ref)):
+            saved = saved_bytes(forward, x) / args.tokens
+            f.write(f"{name}\t1\t0\t0\t{saved}\t{timed(lambda: forward().sum().backward(), args.iters)}\n")
 
 
 def main() -> None:
@@ -162,9 +177,11 @@ def main() -> None:
             rows = [line.rstrip("\n").split("\t") for line in f]
     print(f"N={args.tokens} tokens, V={args.vocab}, K={args.k}, logits {args.dtype}, CPU gloo, "
           f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'method':<16} {'ranks':>5} {'msg B/token':>12} {'ring B/token/rank':>18} {'fwd+bwd ms':>11}")
-    for name, world, msg, ring, t in rows:
-        print(f"{name:<16} {world:>5} {float(msg):>12.0f} {float(ring):>18.0f} {1000 * float(t):>11.1f}")
+    print(f"{'method':<16} {'ranks':>5} {'msg B/token':>12} {'ring B/token/rank':>18} {'saved B/token':>14} "
+          f"{'fwd+bwd ms':>11}")
+    for name, world, msg, ring, saved, t in rows:
+        print(f"{name:<16} {world:>5} {float(msg):>12.0f} {float(ring):>18.0f} {float(saved):>14.0f} "
+              f"{1000 * float(t):>11.1f}")
 
 
 if __name__ == "__main__":
