@@ -79,15 +79,22 @@ def _dtensor_shard(x, name: str):
     return x.to_local(), group, int(offset[-1]), x.shape[-1]
 
 
+def _is_dtensor(x) -> bool:
+    if not dist.is_available():  # builds without torch.distributed have no DTensor either
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logits") -> VocabShard:
     """Turn (logits shard or DTensor, group, vocab_size) into a ``VocabShard``; raises on an inconsistent layout."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or DTensor, got {type(logits).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(logits, DTensor):
+    is_dtensor = _is_dtensor(logits)
+    if is_dtensor:
         if group is not None:
             raise ValueError(f"{name} is a DTensor: its mesh gives the group; pass group=None")
         local, group, start, global_v = _dtensor_shard(logits, name)
@@ -110,7 +117,7 @@ def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logi
             )
     width = max(0, min(local.shape[-1], V - start))
     return VocabShard(local=local, group=group, size=size, rank=rank, start=start, width=width, vocab_size=V,
-                      equal_widths=not isinstance(logits, DTensor))
+                      equal_widths=not is_dtensor)
 
 
 # -- collectives: each is skipped for a group of one rank ---------------------------------------------------------
