@@ -117,7 +117,8 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         local.requires_grad_(True)
 
         def vp():
-            return vocab_parallel_topk_divergence(local, ids, lp, group=group, vocab_size=args.vocab, support="tail").loss
+            res = vocab_parallel_topk_divergence(local, ids, lp, group=group, vocab_size=args.vocab, support="tail")
+            return res.loss
 
         def gl():
             return gather_logits_loss(local, ids, lp, group, world)

@@ -126,5 +126,7 @@ def vocab_parallel_generalized_jsd(
     check_unit_interval(beta, "beta")
     check_temperature(temperature)
     lead, v = tuple(xs.shape[:-1]), xs.shape[-1]
-    out = VocabParallelGeneralizedJSD.apply(xs.reshape(-1, v), xt.reshape(-1, v), shard, float(temperature), float(beta))
+    out = VocabParallelGeneralizedJSD.apply(
+        xs.reshape(-1, v), xt.reshape(-1, v), shard, float(temperature), float(beta)
+    )
     return out.reshape(lead)

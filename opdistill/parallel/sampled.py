@@ -34,7 +34,12 @@ class VocabParallelLogProbs(torch.autograd.Function):
 
 
 def vocab_parallel_token_logprobs(
-    local_logits: torch.Tensor, ids: torch.Tensor, *, group=None, vocab_size: int | None = None, temperature: float = 1.0
+    local_logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    group=None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """``token_logprobs`` with the logits sharded on the vocab dim: ``[..., V/tp]`` x ``[...]`` -> ``[...]``.
 
@@ -46,7 +51,9 @@ def vocab_parallel_token_logprobs(
     check_logits(x, "local_logits")
     check_int(ids, "ids")
     if tuple(ids.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"ids must have the leading shape of local_logits {tuple(x.shape[:-1])}, got {tuple(ids.shape)}")
+        raise ValueError(
+            f"ids must have the leading shape of local_logits {tuple(x.shape[:-1])}, got {tuple(ids.shape)}"
+        )
     check_ids_in_range(ids, shard.vocab_size, "ids")
     check_temperature(temperature)
     lead = tuple(x.shape[:-1])
