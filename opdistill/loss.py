@@ -172,10 +172,13 @@ class DistillationConfig:
                 f"estimator={self.estimator!r} as a supervised loss has zero expected gradient "
                 "(E_pi[grad log pi] = 0): use k3 or k2 supervised, or k1 with use_policy_gradient=True"
             )
-        if self.loss_mode == "topk" and self.support == "truncated" and self.use_policy_gradient:
+        if self.use_policy_gradient and self.loss_mode in ("topk", "full"):
+            # SPEC 3.4 allows it (verl offers it) but it is almost never what the user wants: see docs/losses.md.
             logger.warning(
-                "support='truncated' with use_policy_gradient=True uses the top-k distribution only as a scalar "
-                "reward per token (it wastes the distribution); support='tail' is the exact alternative"
+                "use_policy_gradient=True with loss_mode=%r reduces the teacher's distribution to one scalar reward "
+                "per token (it wastes the distribution), and that reward depends only on the prefix, not on the "
+                "sampled token, so its expected per-token policy gradient is zero; the supervised rule follows the "
+                "divergence's gradient exactly", self.loss_mode,
             )
 
     @classmethod
@@ -239,10 +242,19 @@ def policy_gradient_loss(
 class DistillationLoss:
     """Callable computing one micro-batch's distillation loss and its exact metrics (see module docstring)."""
 
-    def __init__(self, config: DistillationConfig):
+    def __init__(self, config: DistillationConfig, *, topk_fn=None, token_logprobs_fn=None, jsd_fn=None):
+        """``topk_fn``/``token_logprobs_fn``/``jsd_fn`` swap in another back-end with the signature of
+        ``topk_divergence``/``token_logprobs``/``generalized_jsd`` (e.g. the vocab-parallel ops with the group bound
+        by ``functools.partial``); default: the single-device ops."""
         if not isinstance(config, DistillationConfig):
             raise TypeError(f"config must be a DistillationConfig, got {type(config).__name__}")
+        for name, fn in (("topk_fn", topk_fn), ("token_logprobs_fn", token_logprobs_fn), ("jsd_fn", jsd_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
         self.config = config
+        self.topk_fn = topk_fn or topk_divergence
+        self.token_logprobs_fn = token_logprobs_fn or token_logprobs
+        self.jsd_fn = jsd_fn or generalized_jsd
 
     def __call__(
         self,
@@ -324,7 +336,7 @@ class DistillationLoss:
                     logprob = self._fused_logprobs(student, sampled_ids, m)
                 else:
                     safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
-                    logprob = token_logprobs(student, safe_ids, temperature=cfg.temperature)
+                    logprob = self.token_logprobs_fn(student, safe_ids, temperature=cfg.temperature)
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:
@@ -378,7 +390,7 @@ class DistillationLoss:
                 res = fused_topk_divergence(student.hidden, student.weight, ids, lp, bias=student.bias,
                                             temperature=student.temperature(cfg.temperature), **kw)
             else:
-                res = topk_divergence(student, ids, lp, temperature=cfg.temperature, **kw)
+                res = self.topk_fn(student, ids, lp, temperature=cfg.temperature, **kw)
             k = ids.shape[-1]
             metrics.add_mean("distillation/student_mass", res.student_mass, m)
             metrics.add_extrema("distillation/student_mass", res.student_mass, m)
@@ -412,8 +424,8 @@ class DistillationLoss:
         if t.shape != student.shape:
             raise ValueError(f"TeacherLogits.logits must have the shape of student {tuple(student.shape)}, got {tuple(t.shape)}")
         keep = m.unsqueeze(-1)
-        return generalized_jsd(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
-                               beta=cfg.beta, temperature=cfg.temperature), None
+        return self.jsd_fn(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
+                           beta=cfg.beta, temperature=cfg.temperature), None
 
 
 def _aggregation_weights(m, mode, batch, cu_seqlens, group, like: torch.Tensor) -> torch.Tensor:

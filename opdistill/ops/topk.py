@@ -140,13 +140,20 @@ def topk_loss_from_logprobs(
         t_b = torch.cat([t, t_rest.unsqueeze(-1)], dim=-1)  # [..., K+1]
         s_b = torch.cat([s, s_rest.unsqueeze(-1)], dim=-1)
         valid_b = torch.cat([valid, torch.ones_like(valid[..., :1])], dim=-1)
-        return _bucket_divergence(t_b, s_b, valid_b, divergence, beta)
+        return _nonnegative(_bucket_divergence(t_b, s_b, valid_b, divergence, beta))
 
     # renormalized: distributions on T alone.  Rows without a non-empty slot get 0 (not NaN).
     any_valid = valid.any(-1, keepdim=True)
     log_p = torch.where(any_valid, _masked_logsumexp(t, valid).unsqueeze(-1), 0.0)
     log_q = torch.where(any_valid, _masked_logsumexp(s, valid).unsqueeze(-1), 0.0)
-    return _bucket_divergence(t - log_p, s - log_q, valid, divergence, beta)
+    return _nonnegative(_bucket_divergence(t - log_p, s - log_q, valid, divergence, beta))
+
+
+def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
+    """A divergence between two distributions is >= 0; summing p log(p/q) in floating point can land at -1e-18
+    when they (nearly) match.  Removing that rounding noise changes nothing else: at such a point the exact
+    value and its gradient are ~0."""
+    return loss.clamp_min(0.0)
 
 
 def topk_masses(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
