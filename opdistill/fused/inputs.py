@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,12 +21,15 @@ class StudentHidden:
 
     hidden ``[..., H]`` (after the model's final norm), weight ``[V, H]``, bias ``[V]`` or None; ``logit_scale`` is a
     constant the model multiplies its logits by (1 for most models), folded into the temperature by ``temperature``.
+    ``vocab_group``: the tensor-parallel process group when ``weight``/``bias`` are this rank's contiguous vocabulary
+    shard (ranks in order), None when they hold the whole vocabulary.
     """
 
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     logit_scale: float = 1.0
+    vocab_group: Any = None
 
     def __post_init__(self):
         check_linear_inputs(self.hidden, self.weight, self.bias, hidden_name="StudentHidden.hidden",
@@ -40,7 +44,8 @@ class StudentHidden:
         return float(tau) / float(self.logit_scale)
 
     @property
-    def vocab_size(self) -> int:
+    def local_vocab_size(self) -> int:
+        """Rows of ``weight`` on this rank (the whole vocabulary without ``vocab_group``)."""
         return self.weight.shape[0]
 
 
