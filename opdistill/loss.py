@@ -361,7 +361,7 @@ class DistillationLoss:
             raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
         safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids))
         return fused_token_logprobs(student.hidden, student.weight, safe_ids, bias=student.bias,
-                                    temperature=student.temperature(self.config.temperature))
+                                    temperature=student.temperature(self.config.temperature), group=student.vocab_group)
 
     def _per_token(self, student, teacher, m: torch.Tensor, metrics: MetricSums, weights=None):
         """(the per-token divergence, with masked positions sanitised (they may hold padding garbage), and the
@@ -384,11 +384,12 @@ class DistillationLoss:
             precomputed = None
             if isinstance(student, StudentHidden) and weights is not None:
                 precomputed, res = fused_topk_loss(
-                    student.hidden, student.weight, ids, lp, weights, bias=student.bias,
+                    student.hidden, student.weight, ids, lp, weights, bias=student.bias, group=student.vocab_group,
                     temperature=student.temperature(cfg.temperature), loss_max_clamp=cfg.loss_max_clamp, **kw)
             elif isinstance(student, StudentHidden):
                 res = fused_topk_divergence(student.hidden, student.weight, ids, lp, bias=student.bias,
-                                            temperature=student.temperature(cfg.temperature), **kw)
+                                            group=student.vocab_group, temperature=student.temperature(cfg.temperature),
+                                            **kw)
             else:
                 res = self.topk_fn(student, ids, lp, temperature=cfg.temperature, **kw)
             k = ids.shape[-1]
@@ -411,6 +412,11 @@ class DistillationLoss:
             t = teacher
             if t.hidden.shape[:-1] != m.shape:
                 raise ValueError(f"TeacherHidden.hidden must have shape {tuple(m.shape) + ('H',)}, got {tuple(t.hidden.shape)}")
+            if student.vocab_group is not None:
+                raise ValueError(
+                    "loss_mode='full' with a vocabulary-sharded StudentHidden (vocab_group set) is not supported by the "
+                    "fused JSD; use the vocab-parallel back-end (jsd_fn) on sharded logits instead"
+                )
             if student.logit_scale != t.logit_scale:
                 raise ValueError(
                     f"StudentHidden.logit_scale={student.logit_scale} and TeacherHidden.logit_scale={t.logit_scale} "
