@@ -136,3 +136,17 @@ def test_mixed_dtypes_autocast_style():
     torch.testing.assert_close(res.loss, ref.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gh, rh.bfloat16())
+
+
+def test_autocast_does_not_round_the_logits():
+    h64, w64, ids, lp = make(n=12, H=8, V=60, K=4)
+    h, w = h64.float().requires_grad_(True), w64.float().requires_grad_(True)
+    kw = dict(support="tail", divergence="reverse", chunk_size=5)
+    plain = fused_topk_divergence(h, w, ids, lp.float(), **kw)
+    g_plain = torch.autograd.grad(plain.loss.sum(), (h, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = fused_topk_divergence(h, w, ids, lp.float(), **kw)
+        g_auto = torch.autograd.grad(auto.loss.sum(), (h, w))
+    torch.testing.assert_close(auto.loss, plain.loss, rtol=0, atol=0)
+    for a, b in zip(g_plain, g_auto):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -82,6 +82,19 @@ def _bf16_compute_fp32_out(enabled: bool):
         setting.fp32_precision = before
 
 
+def _no_autocast(fn):
+    """Run a GEMM helper with autocast off: under ``torch.autocast`` the GEMMs would otherwise run (and round the
+    logits) in bf16/fp16, silently breaking the fp32 guarantee."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast(device_type=args[0].device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_no_autocast
 def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b_t.T`` accumulated and returned in the compute dtype, for a (``[M, H]``) and b_t (``[V, H]``) of float
     dtypes (fp64 only with fp64).  Low-precision operands are multiplied natively into fp32 where the backend can
@@ -110,6 +123,7 @@ def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None)
     return out
 
 
+@_no_autocast
 def grad_hidden_mm(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dL/dh = dL/dz @ W ``[c, H]``, returned in the compute dtype.
 
@@ -121,6 +135,7 @@ def grad_hidden_mm(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (dz.to(weight.dtype) @ weight).to(dz.dtype)
 
 
+@_no_autocast
 def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, weight_dtype: torch.dtype) -> None:
     """acc += dL/dz^T @ h in the compute dtype; ``acc`` (fp32 for bf16/fp16 weights) sums the chunks unrounded.
 
