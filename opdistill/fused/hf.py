@@ -67,7 +67,7 @@ def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"{type(model).__name__} has no output embedding (lm_head) with a weight; is it a causal LM?")
-    if not isinstance(head, torch.nn.Linear) and type(head).__name__ not in ("Linear",):
+    if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA- or quantisation-wrapped head
         raise TypeError(
             f"{type(model).__name__}'s lm_head is a {type(head).__name__}, not a plain linear layer; the fused path "
             "would compute a different function"
