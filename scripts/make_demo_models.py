@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--teacher-steps", type=int, default=6000)
     ap.add_argument("--teacher-target", type=float, default=0.99)
     ap.add_argument("--student-steps", type=int, default=2000)
-    ap.add_argument("--student-target", type=float, default=0.10)
+    ap.add_argument("--student-target", type=float, default=0.15)
     ap.add_argument("--only", choices=["teacher", "student"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -95,7 +95,8 @@ def main():
     tok = char_tokenizer(CARRY_ADD_CHARS)
     held_out = [task.sample(random.Random(f"sft-eval/{args.seed}/{i}")) for i in range(200)]
     out = Path(args.out)
-    info = {}
+    meta = out / "README.json"
+    info = json.loads(meta.read_text())["models"] if meta.exists() else {}
     specs = [("teacher", TEACHER, args.teacher_steps, 3e-3, args.teacher_target, 100),
              ("student", STUDENT, args.student_steps, 2e-3, args.student_target, 25)]
     for label, spec, steps, lr, target, every in specs:
@@ -113,7 +114,7 @@ def main():
         n_params = sum(p.numel() for p in reloaded.parameters())
         info[label] = dict(steps=step, greedy_acc_after_fp16=acc, params=n_params, **spec)
         print(f"[{label}] saved to {d}: {n_params} params, greedy acc after fp16 round trip {acc:.3f}", flush=True)
-    (out / "README.json").write_text(json.dumps(dict(seed=args.seed, models=info), indent=1))
+    meta.write_text(json.dumps(dict(seed=args.seed, models=info), indent=1))
 
 
 if __name__ == "__main__":
