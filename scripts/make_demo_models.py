@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -54,7 +55,9 @@ def accuracy(model, tok, task, problems):
 
 def train(model, tok, task, *, seed, steps, lr, batch, target, eval_every, held_out, label, min_steps=0):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    # linear warmup over 50 steps, then cosine decay to 5% at `steps` (a constant rate leaves accuracy oscillating)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
     rng = random.Random(f"sft/{label}/{seed}")
     t0 = time.time()
     acc = accuracy(model, tok, task, held_out)
@@ -83,7 +86,7 @@ def main():
     ap.add_argument("--out", default="opdistill/assets/demo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--teacher-steps", type=int, default=6000)
+    ap.add_argument("--teacher-steps", type=int, default=2500)
     ap.add_argument("--teacher-target", type=float, default=0.99)
     ap.add_argument("--student-steps", type=int, default=2000)
     ap.add_argument("--student-target", type=float, default=0.15)

@@ -98,7 +98,9 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with autocast:
             logits = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
-        loss, metrics = _micro_loss(method, loss_fn, logits.float(), data, rows, L, targets, mask, batch,
+        if logits.dtype not in (torch.float32, torch.float64):  # bf16 autocast: the losses upcast, do it once here
+            logits = logits.float()
+        loss, metrics = _micro_loss(method, loss_fn, logits, data, rows, L, targets, mask, batch,
                                     pg_kwargs or {})
         loss.backward()
         sums.merge(metrics)
