@@ -1,1 +1,53 @@
-"""opdistill: exact, memory-lean on-policy distillation of language models."""
+"""opdistill: exact, memory-lean on-policy distillation of language models.
+
+Layers (each imports only the ones above it in this list): ``ops`` (per-token math) -> ``batch``/``metrics``
+(aggregation over one optimizer step) -> ``loss`` (config, update rule) -> parallel/fused variants -> trainer.
+"""
+
+from .batch import AGG_MODES, GlobalBatch, aggregate, pack, response_logits_slice, shift_for_next_token, unpack
+from .loss import (
+    DistillationConfig,
+    DistillationLoss,
+    TeacherLogits,
+    TeacherSampled,
+    TeacherTopK,
+    policy_gradient_loss,
+)
+from .metrics import MetricSums
+from .ops import (
+    ESTIMATORS,
+    TAIL_MASS_EPS,
+    TopKResult,
+    generalized_jsd,
+    ppo_clip_loss,
+    sampled_token_kl,
+    token_logprobs,
+    topk_divergence,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AGG_MODES",
+    "DistillationConfig",
+    "DistillationLoss",
+    "ESTIMATORS",
+    "GlobalBatch",
+    "MetricSums",
+    "TAIL_MASS_EPS",
+    "TeacherLogits",
+    "TeacherSampled",
+    "TeacherTopK",
+    "TopKResult",
+    "aggregate",
+    "generalized_jsd",
+    "pack",
+    "policy_gradient_loss",
+    "ppo_clip_loss",
+    "response_logits_slice",
+    "sampled_token_kl",
+    "shift_for_next_token",
+    "token_logprobs",
+    "topk_divergence",
+    "unpack",
+]

@@ -1,0 +1,18 @@
+"""Per-token math on tensors: knows nothing of models, processes or config files."""
+
+from .jsd import generalized_jsd
+from .policy import PolicyLossResult, ppo_clip_loss
+from .sampled import ESTIMATORS, sampled_token_kl, token_logprobs
+from .topk import TAIL_MASS_EPS, TopKResult, topk_divergence
+
+__all__ = [
+    "ESTIMATORS",
+    "PolicyLossResult",
+    "TAIL_MASS_EPS",
+    "TopKResult",
+    "generalized_jsd",
+    "ppo_clip_loss",
+    "sampled_token_kl",
+    "token_logprobs",
+    "topk_divergence",
+]

@@ -1,0 +1,245 @@
+"""Top-k distillation divergences: ``support`` x ``divergence`` (SPEC 3.1), plus the overlap diagnostics.
+
+The teacher signal is, per position, K ids ``T = (i_1..i_K)`` and their teacher log-probs ``l_k = log nu(i_k)``
+(a vLLM/SGLang server with ``prompt_logprobs=K``, teacher at temperature 1).  A slot whose log-prob is ``-inf`` is
+*empty*: it is not part of T (no mass, no loss, no overlap).  The student log-probs are ``log_softmax(z / tau)``.
+
+The op is built from named stages that the vocab-parallel and fused variants reuse unchanged:
+
+1. ``student_logprobs_at``   s_k = log pi(i_k) = z_{i_k}/tau - logsumexp(z/tau)          [..., K]
+2. ``topk_loss_from_logprobs``  the per-token divergence as a function of (s, l) only     [...]
+3. ``topk_masses``           Q = sum_k pi(i_k), P = sum_k nu(i_k)                          [...]
+4. ``topk_overlap``          |T cap S| and the mean teacher-token advantage on the overlap  [...]
+
+Because stage 2 depends on the logits only through s, every variant gets its logit gradient from the same rule:
+with g_k = dL/ds_k,  dL/dz_j = (1/tau) * (sum_k g_k [i_k = j]  -  (sum_k g_k) * pi_j).
+
+Rest-mass floors (documented in docs/losses.md): the student's rest mass 1 - Q is floored at ``TAIL_MASS_EPS``
+in every tail divergence (its log would otherwise be -inf when the top-k hold all the mass in fp32, and the
+gradient infinite); the teacher's rest mass 1 - P is floored at ``TAIL_MASS_EPS`` in reverse and jsd (it sits in a
+denominator there) and is left exact in forward, where a zero teacher rest mass gives a zero term.  Where neither
+floor is active every tail divergence is the exact KL/JSD between two K+1-bucket distributions, hence >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .checks import check_topk_inputs, compute_dtype
+
+TAIL_MASS_EPS = 1e-6
+_LOG_TAIL_EPS = math.log(TAIL_MASS_EPS)
+_LOG_ONE_MINUS_EPS = math.log1p(-TAIL_MASS_EPS)
+
+
+@dataclass(frozen=True)
+class TopKResult:
+    """Per-token results of a top-k divergence; every field has the leading shape of the logits.
+
+    loss                     differentiable per-token divergence (fp32, fp64 for fp64 inputs)
+    student_mass             Q = sum_k pi(i_k), unclamped, detached
+    teacher_mass             P = sum_k nu(i_k), unclamped
+    overlap_count            |T cap S| (int64), S = the student's own top-K ids
+    overlap_token_advantage  -sum_{T cap S} nu_i (l_i - log pi_i) / |T cap S|, 0 where the overlap is empty
+    """
+
+    loss: torch.Tensor
+    student_mass: torch.Tensor
+    teacher_mass: torch.Tensor
+    overlap_count: torch.Tensor
+    overlap_token_advantage: torch.Tensor
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate at both ends (Maechler 2012): expm1 near 0, log1p far from it."""
+    x = x.clamp_max(0.0)
+    near = x > -math.log(2.0)
+    # Evaluate each branch only where it is accurate and finite so no inf/NaN reaches the backward of the other.
+    x_near = torch.where(near, x, -1.0)
+    x_far = torch.where(near, -1.0, x)
+    return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
+
+
+def student_logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """s_k = log_softmax(z / tau)[i_k] = z_{i_k}/tau - logsumexp(z/tau), computed in fp32 (fp64 for fp64).
+
+    Gathers before subtracting, so no [.., V] log-prob tensor is kept beyond the one autograd needs.
+    """
+    z = logits.to(compute_dtype(logits.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    return z.gather(-1, ids.long()) - lse
+
+
+def _bucket_kl(p_log: torch.Tensor, q_log: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sum over valid buckets of p (log p - log q); buckets with p = 0 contribute 0 (x log x -> 0).
+
+    The inputs are sanitised before the arithmetic so that no inf/NaN exists even in unselected branches
+    (a NaN there would still poison the backward of ``torch.where``).
+    """
+    keep = valid & (p_log > float("-inf"))
+    p_log = torch.where(keep, p_log, 0.0)
+    q_log = torch.where(keep, q_log, 0.0)
+    return torch.where(keep, p_log.exp() * (p_log - q_log), 0.0).sum(-1)
+
+
+def _bucket_divergence(t_log, s_log, valid, divergence: str, beta: float) -> torch.Tensor:
+    """Divergence between teacher buckets ``t_log`` and student buckets ``s_log`` (log-probs, [..., B])."""
+    if divergence == "forward" or (divergence == "jsd" and beta == 0.0):
+        return _bucket_kl(t_log, s_log, valid)  # KL(nu || pi); TRL: beta = 0 is forward KL
+    if divergence == "reverse" or (divergence == "jsd" and beta == 1.0):
+        return _bucket_kl(s_log, t_log, valid)  # KL(pi || nu); TRL: beta = 1 is reverse KL
+    # Generalized JSD with TRL's mixture M = beta * nu + (1 - beta) * pi.
+    t_safe = torch.where(valid, t_log, float("-inf"))
+    s_safe = torch.where(valid, s_log, float("-inf"))
+    m_log = torch.logaddexp(t_safe + math.log(beta), s_safe + math.log1p(-beta))
+    return beta * _bucket_kl(t_log, m_log, valid) + (1.0 - beta) * _bucket_kl(s_log, m_log, valid)
+
+
+def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=-1)
+
+
+def topk_loss_from_logprobs(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    support: str,
+    divergence: str,
+    beta: float = 0.5,
+    log_prob_min_clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token loss from s_k = log pi(i_k) and l_k = log nu(i_k) ([..., K] each; l = -inf marks an empty slot).
+
+    truncated/forward   L = max(0, sum_k nu'_k (l'_k - s'_k)),  primes: clamp_min(log_prob_min_clamp) if set
+    tail/*              the divergence over K+1 buckets: T, and the rest with masses 1 - P, 1 - Q
+    renormalized/*      the divergence between nu~ = nu/P and pi~ = pi/Q on T
+    jsd(beta)           beta KL(nu || M) + (1 - beta) KL(pi || M), M = beta nu + (1 - beta) pi; beta=0 forward, 1 reverse
+    """
+    s, t = student_logprobs, teacher_logprobs.to(student_logprobs.dtype)
+    valid = t > float("-inf")  # [..., K] non-empty slots
+    if support == "truncated":
+        if log_prob_min_clamp is not None:
+            s = s.clamp_min(log_prob_min_clamp)
+            t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
+        # verl clamps the truncated KL at 0: it is not a divergence (the masses are unnormalised) and can go
+        # negative; those tokens then get no gradient.
+        return _bucket_kl(t, s, valid).clamp_min(0.0)
+
+    if support == "tail":
+        log_p = _masked_logsumexp(t, valid).clamp_max(0.0)  # P may exceed 1 by rounding (checked <= 1 + tol)
+        log_q = _masked_logsumexp(s, valid).clamp_max(_LOG_ONE_MINUS_EPS)  # student rest >= eps
+        s_rest = log1mexp(log_q)
+        t_rest = log1mexp(log_p)
+        if divergence != "forward" and not (divergence == "jsd" and beta == 0.0):
+            t_rest = t_rest.clamp_min(_LOG_TAIL_EPS)  # teacher rest sits in a denominator: floor it
+        t_b = torch.cat([t, t_rest.unsqueeze(-1)], dim=-1)  # [..., K+1]
+        s_b = torch.cat([s, s_rest.unsqueeze(-1)], dim=-1)
+        valid_b = torch.cat([valid, torch.ones_like(valid[..., :1])], dim=-1)
+        return _nonnegative(_bucket_divergence(t_b, s_b, valid_b, divergence, beta))
+
+    # renormalized: distributions on T alone.  Rows without a non-empty slot get 0 (not NaN).
+    any_valid = valid.any(-1, keepdim=True)
+    log_p = torch.where(any_valid, _masked_logsumexp(t, valid).unsqueeze(-1), 0.0)
+    log_q = torch.where(any_valid, _masked_logsumexp(s, valid).unsqueeze(-1), 0.0)
+    return _nonnegative(_bucket_divergence(t - log_p, s - log_q, valid, divergence, beta))
+
+
+def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
+    """A divergence between two distributions is >= 0; summing p log(p/q) in floating point can land at -1e-18
+    when they (nearly) match.  Removing that rounding noise changes nothing else: at such a point the exact
+    value and its gradient are ~0."""
+    return loss.clamp_min(0.0)
+
+
+def topk_masses(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, P): student and teacher mass on the non-empty teacher ids, unclamped, detached."""
+    s = student_logprobs.detach()
+    t = teacher_logprobs.to(s.dtype)
+    valid = t > float("-inf")
+    q = torch.where(valid, s.exp(), 0.0).sum(-1)
+    p = torch.where(valid, t, float("-inf")).exp().sum(-1)
+    return q, p
+
+
+def topk_overlap(
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    student_topk_ids: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    log_prob_min_clamp: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|T cap S|, overlap_token_advantage), detached.
+
+    S is the student's own top-K ids.  The advantage is -sum_{i in T cap S} nu_i (l_i - log pi_i) / |T cap S|, with
+    nu, l, log pi clamped at ``log_prob_min_clamp`` when it is set (as verl does), and 0 where T cap S is empty.
+    """
+    s = student_logprobs.detach()
+    t = teacher_logprobs.to(s.dtype)
+    valid = t > float("-inf")
+    if log_prob_min_clamp is not None:
+        s = s.clamp_min(log_prob_min_clamp)
+        t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
+    in_student_topk = (teacher_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(-1)  # [..., K]
+    overlap = valid & in_student_topk
+    count = overlap.sum(-1)
+    t_safe = torch.where(overlap, t, 0.0)
+    s_safe = torch.where(overlap, s, 0.0)
+    contribution = torch.where(overlap, t_safe.exp() * (t_safe - s_safe), 0.0).sum(-1)
+    advantage = torch.where(count > 0, -contribution / count.clamp_min(1), 0.0)
+    return count, advantage
+
+
+def topk_divergence(
+    student_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    support: str = "truncated",
+    divergence: str = "forward",
+    beta: float = 0.5,
+    log_prob_min_clamp: float | None = None,
+    temperature: float = 1.0,
+) -> TopKResult:
+    """Per-token top-k distillation divergence between the teacher's top-k and the student's distribution.
+
+    Args:
+        student_logits: ``[..., V]`` student logits (any leading dims: ``[B, S]`` padded or ``[N]`` packed). They
+            are divided by ``temperature`` before the log-softmax; bf16/fp16 are computed in fp32.
+        teacher_ids: ``[..., K]`` integer ids of the teacher's top-k (row t: the token after position t).
+        teacher_logprobs: ``[..., K]`` teacher log-probs (temperature 1) at those ids; ``-inf`` marks an empty slot.
+        support: ``"truncated"`` (verl's forward_kl_topk), ``"tail"`` (K+1 buckets) or ``"renormalized"``.
+        divergence: ``"forward"`` KL(nu||pi), ``"reverse"`` KL(pi||nu) or ``"jsd"`` (TRL's generalized JSD).
+        beta: JSD interpolation, M = beta nu + (1 - beta) pi; beta=0 is forward KL, beta=1 reverse KL.
+        log_prob_min_clamp: truncated only: clamp both log-probs at this floor before the KL (verl).
+        temperature: student temperature tau.
+
+    ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
+    ``clamp_min(0)``, in value and gradient.  Returns a ``TopKResult`` of per-token tensors.
+    """
+    check_topk_inputs(
+        student_logits,
+        teacher_ids,
+        teacher_logprobs,
+        support=support,
+        divergence=divergence,
+        beta=beta,
+        log_prob_min_clamp=log_prob_min_clamp,
+        temperature=temperature,
+    )
+    ids = teacher_ids.long()
+    s = student_logprobs_at(student_logits, ids, temperature)  # [..., K]
+    t = teacher_logprobs.to(s.dtype)
+    loss = topk_loss_from_logprobs(
+        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
+    )
+    with torch.no_grad():
+        q, p = topk_masses(s, t)
+        # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
+        student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
+        count, advantage = topk_overlap(ids, t, student_topk, s, log_prob_min_clamp)
+    return TopKResult(loss, q, p, count, advantage)
