@@ -6,7 +6,7 @@ import yaml
 
 from opdistill.cli import main
 from opdistill.train.logger import read_metrics
-from trainer_helpers import tiny_config_dict
+from tests.trainer_helpers import tiny_config_dict
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import torch
 from opdistill.data import CARRY_ADD_CHARS
 from opdistill.models import (IncompatibleModelsError, build_tiny_llama, char_tokenizer, check_compatible, load_model,
                               load_tokenizer, truncate_layers)
-from trainer_helpers import make_model_dir
+from tests.trainer_helpers import make_model_dir
 
 
 def test_compatible_pair_passes():

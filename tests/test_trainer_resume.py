@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_helpers import make_model_dir, tiny_config_dict
+from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
