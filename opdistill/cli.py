@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
     d.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    d.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
+    d.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps (default 20)")
     d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (default 200)")
-    d.add_argument("--threads", type=int, default=None, help="torch threads (default min(2, cores))")
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default 1: fastest for these tiny models)")
     d.set_defaults(fn=_cmd_demo)
 
     e = sub.add_parser("eval", help="evaluate a student (or a checkpoint) on held-out prompts",

@@ -28,7 +28,7 @@ from opdistill.models import build_tiny_llama, char_tokenizer, load_model
 from opdistill.rollout import generate_rollouts
 
 TEACHER = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
-STUDENT = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
+STUDENT = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
 
 
 def sft_batch(tok, problems):
