@@ -40,7 +40,7 @@ def _cmd_eval(args):
 
     from opdistill.train import load_config
     from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint
-    from opdistill.train.loop import _eval, build_task, load_models
+    from opdistill.train.loop import run_eval, build_task, load_models
     from opdistill.data import PromptSource
 
     cfg = load_config(args.config, args.overrides)
@@ -55,7 +55,7 @@ def _cmd_eval(args):
     if ckpt:
         load_checkpoint(ckpt, student)
     task = build_task(cfg)
-    metrics = _eval(cfg, tok, student, teacher, task, PromptSource(task, cfg.train.seed).held_out(cfg.eval.num_prompts))
+    metrics = run_eval(cfg, tok, student, teacher, task, PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts))
     print(json.dumps(metrics, indent=1))
 
 

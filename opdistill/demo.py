@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from opdistill.train.config import load_config
-from opdistill.train.loop import _eval, build_task, load_models, run_training
+from opdistill.train.loop import run_eval, build_task, load_models, run_training
 from opdistill.data import PromptSource
 
 __all__ = ["demo_config", "run_demo", "format_table"]
@@ -99,8 +99,9 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     base = load_config(base=demo_config(out_dir, "on_policy", seeds[0], budget_s, eval_every, eval_prompts, threads))
     torch.set_num_threads(threads)
     tok, student0, teacher = load_models(base)
-    teacher_eval = _eval(base, tok, teacher, teacher, build_task(base), PromptSource(build_task(base),
-                                                                                        seeds[0]).held_out(eval_prompts))
+    task = build_task(base)
+    held_out = PromptSource(task, seeds[0], base.data.eval_seed).held_out(eval_prompts)  # the same for every run
+    teacher_eval = run_eval(base, tok, teacher, teacher, task, held_out)
     log(f"teacher held-out: greedy acc {teacher_eval['eval/greedy_acc']:.3f}, "
         f"sampled acc {teacher_eval['eval/sampled_acc']:.3f}")
     start_state = {k: v.clone() for k, v in student0.state_dict().items()}

@@ -2,8 +2,9 @@
 
 ``batch(step, n)`` is a pure function of (seed, step), so the data position saved in a checkpoint is the step itself
 and a resumed run sees exactly the prompts the uninterrupted one would have seen. A held-out evaluation set is drawn
-from a separate seed stream and never overlaps the training stream by construction of the seeds (for generated tasks
-a collision is possible but is the same problem drawn twice, not leakage of a fixed test set into training).
+from a separate stream keyed by ``eval_seed`` (not the training seed, so runs with different seeds are measured on the
+same problems). For generated tasks a training prompt can coincide with a held-out one by chance (the same problem
+drawn twice), as with any generator; the sets are not filtered against each other.
 """
 from __future__ import annotations
 
@@ -58,13 +59,13 @@ class DatasetTask(Task):
 
 
 class PromptSource:
-    def __init__(self, task: Task, seed: int):
-        self.task, self.seed = task, seed
+    def __init__(self, task: Task, seed: int, eval_seed: int = 0):
+        self.task, self.seed, self.eval_seed = task, seed, eval_seed
 
     def batch(self, step: int, n: int) -> list[Problem]:
         rng = random.Random(f"train/{self.seed}/{step}")
         return [self.task.sample(rng) for _ in range(n)]
 
     def held_out(self, n: int) -> list[Problem]:
-        rng = random.Random(f"eval/{self.seed}")
+        rng = random.Random(f"eval/{self.eval_seed}")
         return [self.task.sample(rng) for _ in range(n)]

@@ -56,6 +56,7 @@ class DataConfig:
     answer_field: Optional[str] = None
     use_chat_template: bool = True
     prompts_per_step: int = 16
+    eval_seed: int = 0  # the held-out set and the evaluation's sampling stream (independent of train.seed)
 
     def __post_init__(self):
         _check(self.task in ("carry_add", "gsm_symbolic", "dataset"), "data.task",

@@ -30,7 +30,7 @@ from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
 from opdistill.train.step import StepData, group_advantages, train_step
 
-__all__ = ["run_training", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
+__all__ = ["run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -126,12 +126,12 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     return data, metrics
 
 
-def _eval(cfg: TrainerConfig, tok, student, teacher, task, held_out) -> dict:
+def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out) -> dict:
     ec = cfg.eval
     return evaluate(student, tok, task, held_out, teacher=teacher, temperature=cfg.rollout.temperature,
                     max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy,
                     sampled=ec.sampled, topk=ec.topk, batch_size=ec.batch_size,
-                    use_chat_template=cfg.data.use_chat_template, seed=cfg.train.seed + 777)
+                    use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777)
 
 
 def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet: bool = False) -> dict:
@@ -144,7 +144,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
     torch.manual_seed(cfg.train.seed)
     tok, student, teacher = models if models is not None else load_models(cfg)
     task = build_task(cfg)
-    source = PromptSource(task, cfg.train.seed)
+    source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
     oc = cfg.optim
     params = [p for p in student.parameters() if p.requires_grad]
@@ -164,7 +164,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
                        progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
 
     def do_eval(step):
-        m = _eval(cfg, tok, student, teacher, task, held_out)
+        m = run_eval(cfg, tok, student, teacher, task, held_out)
         history.append({"step": step, "train_time_s": train_time, **m})
         return m
 
