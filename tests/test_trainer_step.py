@@ -80,3 +80,17 @@ def test_micro_batching_gives_the_same_step_as_one_big_batch(method, loss):
     for k in m_big:
         if k not in ("train/micro_batches",):
             assert m_small[k] == pytest.approx(m_big[k], rel=1e-9, abs=1e-12), k
+
+
+def test_bf16_autocast_step_runs_with_fp32_losses():
+    student, data = _setup(dtype=torch.float32)
+    data.sampler_logprobs = data.sampler_logprobs.float()
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"},
+                            "loss": {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4}})
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    m = train_step(student, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=64,
+                   grad_clip=1.0, bf16=True)
+    assert all(v == v for v in m.values()) and m["distillation/loss"] >= 0
+    assert any(not torch.equal(before[n], p) for n, p in student.named_parameters())
+    assert all(p.dtype == torch.float32 for p in student.parameters())
