@@ -69,6 +69,8 @@ def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"^loss\.use_policy_gradient:.*off_policy"):
         load_config(base=BASE, overrides=["train.method=off_policy", "loss.use_policy_gradient=true",
                                           "loss.divergence=reverse"])
+    with pytest.raises(ConfigError, match=r"^data\.answer_field:.*verifier"):
+        load_config(base={"model": {"student": "s"}}, overrides=["train.method=rl", "data.task=dataset", "data.path=x"])
     cfg = load_config(base={"model": {"student": "s"}}, overrides=["train.method=rl"])  # rl needs no teacher
     assert cfg.train.method == "rl"
 

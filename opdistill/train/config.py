@@ -187,6 +187,10 @@ class TrainerConfig:
             # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
             _check(not self.loss.use_policy_gradient and not self.loss.use_task_rewards, "loss.use_policy_gradient",
                    "false (and loss.use_task_rewards false) for method off_policy", self.loss.use_policy_gradient)
+        if self.train.method == "rl" or self.loss.use_task_rewards:
+            _check(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
+                   "a column name: rewards need a verifier (method rl or loss.use_task_rewards)",
+                   self.data.answer_field)
         if self.loss.use_task_rewards:
             _check(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
 
