@@ -233,10 +233,19 @@ def policy_gradient_loss(
 class DistillationLoss:
     """Callable computing one micro-batch's distillation loss and its exact metrics (see module docstring)."""
 
-    def __init__(self, config: DistillationConfig):
+    def __init__(self, config: DistillationConfig, *, topk_fn=None, token_logprobs_fn=None, jsd_fn=None):
+        """``topk_fn``/``token_logprobs_fn``/``jsd_fn`` swap in another back-end with the signature of
+        ``topk_divergence``/``token_logprobs``/``generalized_jsd`` (e.g. the vocab-parallel ops with the group bound
+        by ``functools.partial``); default: the single-device ops."""
         if not isinstance(config, DistillationConfig):
             raise TypeError(f"config must be a DistillationConfig, got {type(config).__name__}")
+        for name, fn in (("topk_fn", topk_fn), ("token_logprobs_fn", token_logprobs_fn), ("jsd_fn", jsd_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
         self.config = config
+        self.topk_fn = topk_fn or topk_divergence
+        self.token_logprobs_fn = token_logprobs_fn or token_logprobs
+        self.jsd_fn = jsd_fn or generalized_jsd
 
     def __call__(
         self,
@@ -298,7 +307,7 @@ class DistillationLoss:
                 if sampled_ids is None:
                     raise ValueError(f"sampled_ids is required for policy gradient / task rewards with loss_mode={cfg.loss_mode!r}")
                 safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
-                logprob = token_logprobs(student, safe_ids, temperature=cfg.temperature)
+                logprob = self.token_logprobs_fn(student, safe_ids, temperature=cfg.temperature)
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:
@@ -331,7 +340,7 @@ class DistillationLoss:
             # Masked rows become all-empty slots: zero loss, zero mass, nothing to validate.
             ids = torch.where(keep, ids, torch.zeros_like(ids))
             lp = torch.where(keep, lp, float("-inf"))
-            res = topk_divergence(
+            res = self.topk_fn(
                 student, ids, lp, support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
                 log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
             )
@@ -354,6 +363,6 @@ class DistillationLoss:
         if t.shape != student.shape:
             raise ValueError(f"TeacherLogits.logits must have the shape of student {tuple(student.shape)}, got {tuple(t.shape)}")
         keep = m.unsqueeze(-1)
-        return generalized_jsd(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
+        return self.jsd_fn(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
                                beta=cfg.beta, temperature=cfg.temperature)
 

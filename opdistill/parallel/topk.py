@@ -1,0 +1,102 @@
+"""Vocab-parallel top-k divergence: ``ops.topk.topk_divergence`` on logits sharded over the vocabulary.
+
+Same arguments, same ``TopKResult``, same numbers (up to the summation order of the log-sum-exp).  The per-token
+math is the single-device stages, unchanged: ``topk_loss_from_logprobs``, ``topk_masses``, ``topk_overlap``; only
+s_k = log pi(i_k) (``logsoftmax.logsumexp_and_gather``) and its logit gradient (``logsoftmax.logit_grad``) know
+about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM [N, 1 + K], all_gather [N, 2K]
+(the overlap metric); none in backward; none at all for a group of one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.checks import check_topk_inputs, compute_dtype
+from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
+from .logsoftmax import global_topk_ids, logit_grad, logsumexp_and_gather
+from .shard import VocabShard, resolve_shard
+
+
+class VocabParallelTopKLoss(torch.autograd.Function):
+    """Per-token top-k divergence L(s, l) from a vocabulary shard of the student logits.
+
+    Forward (x = this rank's logits [N, Vl], ids/l = teacher top-k [N, K]):
+        lse, z_ik   = all-reduced log-sum-exp and gathered logits (see ``logsoftmax``)
+        s_k         = z_ik - lse                                    log pi(i_k), [N, K], same on every rank
+        L           = topk_loss_from_logprobs(s, l; support, divergence, beta, clamp)          [N]
+    Backward (dL_total/dL = grad [N]):
+        g_k         = grad * dL/ds_k          autograd through the small [N, K] function ``topk_loss_from_logprobs``
+        dL/dx_j     = (1/tau)(sum_k g_k [i_k = j] - (sum_k g_k) pi_j)   for the columns j this rank owns
+    For truncated forward without clamp, g_k = -nu_k on active tokens, so dL/dx_j = (1/tau)(P pi_j - nu_j [j in T])
+    (SPEC 5's m_A pi_j - nu_j 1[j in A]).  Saved: x (its own dtype, not copied), lse [N], ids, s, l [N, K];
+    no [N, Vl] fp32 tensor.  Returns (L, s) with s non-differentiable (the diagnostics use it).
+    """
+
+    @staticmethod
+    def forward(ctx, x, ids, t, shard: VocabShard, tau: float, loss_kwargs: dict):
+        dtype = compute_dtype(x.dtype)
+        lse, z_at = logsumexp_and_gather(shard, x, ids, tau, dtype)
+        s = z_at - lse[:, None]  # [N, K]
+        t = t.to(dtype)
+        loss = topk_loss_from_logprobs(s, t, **loss_kwargs)  # [N]
+        ctx.save_for_backward(x, ids, lse, s, t)
+        ctx.shard, ctx.tau, ctx.loss_kwargs = shard, tau, loss_kwargs
+        ctx.mark_non_differentiable(s)
+        return loss, s
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_s):
+        x, ids, lse, s, t = ctx.saved_tensors
+        with torch.enable_grad():
+            s_req = s.detach().requires_grad_(True)
+            loss = topk_loss_from_logprobs(s_req, t, **ctx.loss_kwargs)
+            (g,) = torch.autograd.grad(loss, s_req, grad_loss.to(loss.dtype))  # [N, K] g_k = grad * dL/ds_k
+        return logit_grad(ctx.shard, x, ids, lse, g, ctx.tau), None, None, None, None, None
+
+
+def vocab_parallel_topk_divergence(
+    local_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    group=None,
+    vocab_size: int | None = None,
+    support: str = "truncated",
+    divergence: str = "forward",
+    beta: float = 0.5,
+    log_prob_min_clamp: float | None = None,
+    temperature: float = 1.0,
+) -> TopKResult:
+    """``topk_divergence`` with the student logits sharded on the vocabulary dim over ``group``.
+
+    Args:
+        local_logits: this rank's ``[..., V/tp]`` shard (rank r holds columns ``[r*V/tp, (r+1)*V/tp)``), or a
+            DTensor sharded on its last dim (then ``group`` must be None: the mesh gives it).
+        teacher_ids, teacher_logprobs: ``[..., K]``, the full (unsharded) teacher top-k, identical on every rank.
+        group: the tensor-parallel process group; None on a single process.
+        vocab_size: the true vocabulary when the shards are padded (columns >= vocab_size get no mass and no
+            gradient); default: all columns are real.
+        support, divergence, beta, log_prob_min_clamp, temperature: as ``topk_divergence``.
+
+    Returns the ``TopKResult`` of ``topk_divergence`` on the gathered logits, per token, identical on every rank
+    of the group; the gradient reaches each rank's shard only.
+    """
+    shard = resolve_shard(local_logits, group, vocab_size)
+    x = shard.local
+    check_topk_inputs(
+        x, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size,
+    )
+    lead, K = tuple(x.shape[:-1]), teacher_ids.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    ids = teacher_ids.reshape(-1, K).long()
+    kwargs = dict(support=support, divergence=divergence, beta=float(beta), log_prob_min_clamp=log_prob_min_clamp)
+    loss, s = VocabParallelTopKLoss.apply(x2, ids, teacher_logprobs.reshape(-1, K), shard, float(temperature), kwargs)
+    with torch.no_grad():
+        t = teacher_logprobs.reshape(-1, K).to(s.dtype)
+        q, p = topk_masses(s, t)
+        student_topk = global_topk_ids(shard, x2.detach(), K)
+        count, advantage = topk_overlap(ids, t, student_topk, s, log_prob_min_clamp)
+    return TopKResult(
+        loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead)
+    )
