@@ -86,3 +86,9 @@ def test_yaml_top_level_must_be_mapping(tmp_path):
     f.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(f)
+
+
+def test_shipped_configs_load():
+    for path in ("configs/demo_carry_add.yaml", "configs/smollm2_gsm_symbolic.yaml"):
+        cfg = load_config(path)
+        assert cfg.model.student and cfg.model.teacher
