@@ -1,0 +1,163 @@
+"""Command line: ``opdistill train | demo | eval | plot | score`` (``--help`` on each)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _quiet_transformers():
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _cmd_train(args):
+    from opdistill.train import load_config, run_training
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run_training(cfg, resume=args.resume)
+    print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
+                      "final_eval": summary["final_eval"]}, indent=1))
+
+
+def _cmd_demo(args):
+    from opdistill.demo import run_demo
+
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    run_demo(args.out, budget_s=args.budget_s, seeds=seeds, eval_every=args.eval_every,
+             eval_prompts=args.eval_prompts, threads=args.threads)
+
+
+def _cmd_eval(args):
+    import torch
+
+    from opdistill.train import load_config
+    from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint
+    from opdistill.train.loop import run_eval, build_task, load_models
+    from opdistill.data import PromptSource
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    tok, student, teacher = load_models(cfg)
+    ckpt = args.checkpoint
+    if ckpt == "latest":
+        ckpt = latest_checkpoint(cfg.run_dir)
+        if ckpt is None:
+            raise SystemExit(f"opdistill eval: no checkpoint under {cfg.run_dir}/checkpoints")
+    if ckpt:
+        load_checkpoint(ckpt, student)
+    task = build_task(cfg)
+    metrics = run_eval(cfg, tok, student, teacher, task, PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts))
+    print(json.dumps(metrics, indent=1))
+
+
+def _cmd_plot(args):
+    from opdistill.train.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+
+
+def _cmd_score(args):
+    import torch
+
+    from opdistill.data import PromptSource, render_prompt
+    from opdistill.rollout import generate_rollouts
+    from opdistill.teacher import TeacherScores, save_cache, score_teacher
+    from opdistill.train import load_config
+    from opdistill.train.loop import build_task, load_models
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    tok, student, teacher = load_models(cfg)
+    if teacher is None:
+        raise SystemExit("opdistill score: model.teacher is not set")
+    task = build_task(cfg)
+    problems = PromptSource(task, cfg.train.seed).batch(0, args.num_prompts)
+    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+    writer = teacher if args.writer == "teacher" else student
+    torch.manual_seed(cfg.train.seed)
+    ro = generate_rollouts(writer, tok, prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
+                           top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                           batch_size=cfg.rollout.batch_size)
+    targets = torch.zeros_like(ro.input_ids)
+    targets[:, :-1] = ro.input_ids[:, 1:]
+    scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
+    path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                      response_mask=ro.response_mask, scores=scores,
+                      logprob_dtype=torch.float16 if args.fp16 else torch.float32)
+    print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opdistill", description="Exact, memory-lean on-policy distillation.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a student (on-policy distillation, off-policy KD or RL)",
+                       description="Train from a YAML config; dotted.key=value arguments override it "
+                                   "(unknown keys are errors). Example: opdistill train --config "
+                                   "configs/demo.yaml train.steps=50 optim.lr=1e-3")
+    t.add_argument("--config", required=True, help="YAML config file")
+    t.add_argument("--resume", action="store_true", help="continue exactly from the run's latest checkpoint")
+    t.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    t.set_defaults(fn=_cmd_train)
+
+    d = sub.add_parser("demo", help="compare on-policy distillation, off-policy KD and RL on a toy task",
+                       description="Runs on a laptop CPU in about 10 minutes and prints a table (saved to OUT).")
+    d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
+    d.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    d.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps (default 20)")
+    d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (default 200)")
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default 1: fastest for these tiny models)")
+    d.set_defaults(fn=_cmd_demo)
+
+    e = sub.add_parser("eval", help="evaluate a student (or a checkpoint) on held-out prompts",
+                       description="Greedy and sampled verifier accuracy, teacher-KL, overlap and masses.")
+    e.add_argument("--config", required=True)
+    e.add_argument("--checkpoint", default=None, help="checkpoint folder, or 'latest' for the run's newest")
+    e.add_argument("overrides", nargs="*")
+    e.set_defaults(fn=_cmd_eval)
+
+    pl = sub.add_parser("plot", help="plot a run's metrics to a PNG",
+                        description="Loss, teacher-KL, overlap ratio, masses and accuracy against step.")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    pl.set_defaults(fn=_cmd_plot)
+
+    s = sub.add_parser("score", help="teacher-score generated responses into a safetensors cache",
+                       description="Generate rollout.n responses for --num-prompts prompts (by the teacher or the "
+                                   "student) and write teacher top-k and sampled-token log-probs to --out.")
+    s.add_argument("--config", required=True)
+    s.add_argument("--out", required=True, help="cache file (.safetensors)")
+    s.add_argument("--num-prompts", type=int, default=64)
+    s.add_argument("--writer", choices=["teacher", "student"], default="teacher")
+    s.add_argument("--fp16", action="store_true", help="store log-probs in float16 (default float32)")
+    s.add_argument("overrides", nargs="*")
+    s.set_defaults(fn=_cmd_score)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_transformers()
+    from opdistill.train.config import ConfigError
+
+    try:
+        args.fn(args)
+    except ConfigError as e:
+        print(f"opdistill {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

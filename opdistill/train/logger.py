@@ -1,0 +1,66 @@
+"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["RunLogger", "read_metrics"]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
+                 total_steps: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
+        kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+            except ImportError:  # tensorboard is an optional extra
+                self.tb = None
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            post = {}
+            for key, short in (("distillation/loss", "loss"), ("actor/pg_loss", "pg"), ("train/reward", "reward"),
+                               ("eval/teacher_kl", "kl"), ("eval/greedy_acc", "acc")):
+                if key in metrics and metrics[key] is not None:
+                    post[short] = f"{metrics[key]:.4g}"
+            if post:
+                self.bar.set_postfix(post, refresh=False)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()

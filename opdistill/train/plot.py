@@ -1,0 +1,45 @@
+"""``opdistill plot RUN_DIR``: one PNG of loss, teacher-KL, overlap ratio, masses and accuracy against step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from opdistill.train.logger import read_metrics
+
+__all__ = ["plot_run"]
+
+PANELS = [
+    ("loss", ["distillation/loss", "actor/pg_loss"]),
+    ("teacher-KL (held-out, student samples)", ["eval/teacher_kl"]),
+    ("overlap ratio", ["distillation/overlap_ratio", "eval/overlap_ratio"]),
+    ("masses on teacher top-k", ["distillation/student_mass", "distillation/teacher_mass", "eval/student_mass",
+                                 "eval/teacher_mass"]),
+    ("accuracy (held-out)", ["eval/greedy_acc", "eval/sampled_acc", "train/reward"]),
+]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"{Path(run_dir) / 'metrics.jsonl'}: no metrics to plot")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for ax, (title, keys) in zip(axes, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, markersize=3, label=key)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(str(run_dir), fontsize=9)
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,117 @@
+"""One optimizer step: token-budget micro-batches, one GlobalBatch, loss, backward, clip, step, exact metrics.
+
+The step sees the whole batch of the step (rows of prompt + response in the padded layout, the teacher signal, the
+sampler log-probs and the per-row advantages), cuts it into micro-batches whose padded size rows x longest-row stays
+within ``micro_batch_tokens``, builds ONE ``GlobalBatch`` from the masks of all of them, and sums the micro-batch
+gradients. Because every micro-batch loss is normalized by the global counts, the summed gradient is the full-batch
+gradient whatever the budget (tested), and the metrics are reduced from exact sums, never averaged per micro-batch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
+                       shift_for_next_token, token_logprobs)
+
+__all__ = ["StepData", "token_budget_split", "group_advantages", "train_step"]
+
+
+@dataclass
+class StepData:
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S]
+    response_mask: torch.Tensor  # [B, S]
+    teacher_topk: TeacherTopK | None = None  # [B, S, K]
+    teacher_sampled: torch.Tensor | None = None  # [B, S] teacher log-prob of token t+1
+    sampler_logprobs: torch.Tensor | None = None  # [B, S] old log-probs (next-token layout)
+    advantages: torch.Tensor | None = None  # [B] per-sequence advantage (broadcast over its tokens)
+
+
+def token_budget_split(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive rows grouped so that len(group) * max(length in group) <= budget (one row always fits)."""
+    groups, cur, cur_max = [], [], 0
+    for i, n in enumerate(lengths):
+        m = max(cur_max, n)
+        if cur and (len(cur) + 1) * m > budget:
+            groups.append(cur)
+            cur, m = [], n
+        cur.append(i)
+        cur_max = m
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: (r - mean of the prompt's group) / (std of the group + eps); 0 for a group of equal rewards."""
+    rewards = rewards.float()
+    adv = torch.zeros_like(rewards)
+    gid = torch.tensor(group_ids)
+    for g in gid.unique():
+        sel = gid == g
+        r = rewards[sel]
+        std = r.std(unbiased=False) if r.numel() > 1 else torch.zeros(())
+        adv[sel] = (r - r.mean()) / (std + eps)
+    return adv
+
+
+def _micro_loss(method, loss_fn: DistillationLoss | None, logits, data: StepData, rows, L, targets, mask, batch,
+                pg_kwargs):
+    idx = torch.tensor(rows)
+    tgt = targets[idx, :L]
+    m = mask[idx, :L]
+    old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
+    adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
+    if method == "rl":
+        lp = token_logprobs(logits, tgt)
+        return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
+    cfg = loss_fn.config
+    if cfg.loss_mode == "topk":
+        teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L])
+        student = logits
+    elif cfg.loss_mode == "sampled":
+        teacher = TeacherSampled(data.teacher_sampled[idx, :L])
+        student = token_logprobs(logits, tgt, temperature=cfg.temperature)
+    else:
+        raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
+    return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv)
+
+
+def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
+               micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
+               loss_scale_factor: float | None = None, pg_kwargs: dict | None = None) -> dict:
+    """Run one optimizer step on ``data``; return the exact step metrics (dict of floats)."""
+    model.train()
+    targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
+    lengths = data.attention_mask.sum(-1).tolist()
+    micro = token_budget_split(lengths, micro_batch_tokens)
+    masks = [mask[torch.tensor(rows), : max(lengths[r] for r in rows)] for rows in micro]
+    batch = GlobalBatch.from_masks(masks, group=None, loss_scale_factor=loss_scale_factor)
+    optimizer.zero_grad(set_to_none=True)
+    sums = MetricSums()
+    for rows in micro:
+        L = max(lengths[r] for r in rows)
+        idx = torch.tensor(rows)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with autocast:
+            logits = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
+        if logits.dtype not in (torch.float32, torch.float64):  # bf16 autocast: the losses upcast, do it once here
+            logits = logits.float()
+        loss, metrics = _micro_loss(method, loss_fn, logits, data, rows, L, targets, mask, batch,
+                                    pg_kwargs or {})
+        loss.backward()
+        sums.merge(metrics)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if grad_clip is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    optimizer.step()
+    out = sums.reduce(group=None)
+    out["train/grad_norm"] = float(grad_norm)
+    out["train/micro_batches"] = float(len(micro))
+    out["train/response_tokens"] = float(batch.num_tokens)
+    return out

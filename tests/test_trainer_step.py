@@ -1,0 +1,96 @@
+"""One optimizer step: token-budget micro-batches give the same step as one big batch; GRPO advantages."""
+import random
+
+import pytest
+import torch
+
+from opdistill import TeacherTopK
+from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
+from opdistill.models import build_tiny_llama, char_tokenizer
+from opdistill.rollout import generate_rollouts
+from opdistill.teacher import score_teacher
+from opdistill.train.config import load_config
+from opdistill.train.step import StepData, group_advantages, token_budget_split, train_step
+from opdistill import DistillationLoss
+
+
+def test_token_budget_split():
+    lengths = [5, 7, 3, 9, 2, 2, 2]
+    groups = token_budget_split(lengths, 16)
+    assert [i for g in groups for i in g] == list(range(7))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 16
+    assert token_budget_split(lengths, 1) == [[i] for i in range(7)]  # one row always fits
+    assert token_budget_split(lengths, 10**6) == [list(range(7))]
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    a = group_advantages(r, [0, 0, 0, 0, 1, 1])
+    g = r[:4]
+    assert torch.allclose(a[:4], (g - g.mean()) / (g.std(unbiased=False) + 1e-6))
+    assert torch.equal(a[4:], torch.zeros(2))  # all-equal group: no signal
+
+
+def _setup(dtype=torch.float64):
+    torch.manual_seed(0)
+    tok = char_tokenizer(CARRY_ADD_CHARS)
+    student = build_tiny_llama(tok, hidden_size=16, num_layers=1, num_heads=2, seed=3).to(dtype)
+    teacher = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=4).to(dtype)
+    task = CarryAdditionTask(1, 3)
+    rng = random.Random(0)
+    probs = [task.sample(rng) for _ in range(5)]
+    ro = generate_rollouts(student, tok, [render_prompt(tok, p.prompt) for p in probs], n=2, max_new_tokens=14)
+    targets = torch.zeros_like(ro.input_ids)
+    targets[:, :-1] = ro.input_ids[:, 1:]
+    sc = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=4, sampled_ids=targets)
+    rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.num_rows)])
+    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sc.topk, sc.sampled_logprobs,
+                    ro.sampler_logprobs.to(dtype), group_advantages(rewards, ro.prompt_index).to(dtype))
+    return student, data
+
+
+def _grads_after_step(student, data, budget, method, loss_cfg):
+    model = type(student)(student.config).to(torch.float64)
+    model.load_state_dict(student.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step keeps the weights; we compare gradients
+    loss_fn = DistillationLoss(loss_cfg) if method != "rl" else None
+    metrics = train_step(model, opt, data, method=method, loss_fn=loss_fn, micro_batch_tokens=budget, grad_clip=None)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize("method, loss", [
+    ("on_policy", {"loss_mode": "topk", "support": "tail", "divergence": "forward", "topk": 4}),
+    ("on_policy", {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4,
+                   "loss_agg_mode": "seq-mean-token-mean"}),
+    ("on_policy", {"loss_mode": "sampled", "estimator": "k3"}),
+    ("on_policy", {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4,
+                   "use_task_rewards": True, "distillation_coef": 0.5}),
+    ("rl", {}),
+])
+def test_micro_batching_gives_the_same_step_as_one_big_batch(method, loss):
+    student, data = _setup()
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "loss": loss, "train": {"method": method}})
+    big, m_big = _grads_after_step(student, data, 10**6, method, cfg.loss)
+    small, m_small = _grads_after_step(student, data, 30, method, cfg.loss)
+    assert m_big["train/micro_batches"] == 1 and m_small["train/micro_batches"] > 3
+    for n in big:
+        torch.testing.assert_close(small[n], big[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert any(g.abs().sum() > 0 for g in big.values())
+    for k in m_big:
+        if k not in ("train/micro_batches",):
+            assert m_small[k] == pytest.approx(m_big[k], rel=1e-9, abs=1e-12), k
+
+
+def test_bf16_autocast_step_runs_with_fp32_losses():
+    student, data = _setup(dtype=torch.float32)
+    data.sampler_logprobs = data.sampler_logprobs.float()
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"},
+                            "loss": {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4}})
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    m = train_step(student, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=64,
+                   grad_clip=1.0, bf16=True)
+    assert all(v == v for v in m.values()) and m["distillation/loss"] >= 0
+    assert any(not torch.equal(before[n], p) for n, p in student.named_parameters())
+    assert all(p.dtype == torch.float32 for p in student.parameters())
