@@ -94,3 +94,29 @@ def test_bf16_autocast_step_runs_with_fp32_losses():
     assert all(v == v for v in m.values()) and m["distillation/loss"] >= 0
     assert any(not torch.equal(before[n], p) for n, p in student.named_parameters())
     assert all(p.dtype == torch.float32 for p in student.parameters())
+
+
+@pytest.mark.parametrize("method, loss", [
+    ("on_policy", {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4}),
+    ("on_policy", {"loss_mode": "topk", "support": "truncated", "topk": 4, "use_policy_gradient": True}),
+    ("on_policy", {"loss_mode": "sampled", "estimator": "k3"}),
+    ("rl", {}),
+])
+def test_fused_lm_head_step_equals_logits_step(method, loss):
+    """train.fused_lm_head=true: same gradients and metrics as the logits path, without [tokens, vocab] logits."""
+    student, data = _setup()
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "loss": loss, "train": {"method": method}})
+    grads = []
+    for fused in (False, True):
+        model = type(student)(student.config).to(torch.float64)
+        model.load_state_dict(student.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loss_fn = DistillationLoss(cfg.loss) if method != "rl" else None
+        m = train_step(model, opt, data, method=method, loss_fn=loss_fn, micro_batch_tokens=30, grad_clip=None,
+                       fused_lm_head=fused)
+        grads.append(({n: p.grad.clone() for n, p in model.named_parameters()}, m))
+    (g0, m0), (g1, m1) = grads
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-9, atol=1e-12, msg=n)
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-9, abs=1e-12), k

@@ -116,6 +116,7 @@ class TrainConfig:
     max_time_s: Optional[float] = None  # wall-clock budget of the training phases (eval excluded)
     micro_batch_tokens: int = 4096  # token budget of a micro-batch (rows x padded length)
     bf16: bool = False  # autocast the student forward in bfloat16
+    fused_lm_head: bool = False  # fused lm_head + loss (opdistill.fused): no [tokens, vocab] logits buffer
     seed: int = 0
     threads: Optional[int] = None  # torch.set_num_threads; None = leave torch's default
 

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from opdistill import DistillationLoss
+from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
@@ -146,6 +147,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
+    if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
+        check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
     oc = cfg.optim
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
@@ -188,7 +191,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
             metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                       micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
                                       bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
-                                      pg_kwargs=pg_kwargs))
+                                      pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head))
             metrics["train/lr"] = scheduler.get_last_lr()[0]
             scheduler.step()
             t2 = time.perf_counter()

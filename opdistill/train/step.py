@@ -15,6 +15,7 @@ import torch
 
 from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
                        shift_for_next_token, token_logprobs)
+from opdistill.fused import StudentHidden, causal_lm_hidden, fused_token_logprobs
 
 __all__ = ["StepData", "token_budget_split", "group_advantages", "train_step"]
 
@@ -60,13 +61,19 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1
 
 def _micro_loss(method, loss_fn: DistillationLoss | None, logits, data: StepData, rows, L, targets, mask, batch,
                 pg_kwargs):
+    """``logits`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer)."""
     idx = torch.tensor(rows)
+    fused = isinstance(logits, StudentHidden)
     tgt = targets[idx, :L]
     m = mask[idx, :L]
     old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
     if method == "rl":
-        lp = token_logprobs(logits, tgt)
+        if fused:
+            lp = fused_token_logprobs(logits.hidden, logits.weight, tgt, bias=logits.bias,
+                                      temperature=logits.temperature(1.0))
+        else:
+            lp = token_logprobs(logits, tgt)
         return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
     cfg = loss_fn.config
     if cfg.loss_mode == "topk":
@@ -74,7 +81,8 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, logits, data: StepData
         student = logits
     elif cfg.loss_mode == "sampled":
         teacher = TeacherSampled(data.teacher_sampled[idx, :L])
-        student = token_logprobs(logits, tgt, temperature=cfg.temperature)
+        # a StudentHidden goes in as is: DistillationLoss takes the sampled token's log-prob from sampled_ids
+        student = logits if fused else token_logprobs(logits, tgt, temperature=cfg.temperature)
     else:
         raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
     return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv)
@@ -82,8 +90,12 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, logits, data: StepData
 
 def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
                micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
-               loss_scale_factor: float | None = None, pg_kwargs: dict | None = None) -> dict:
-    """Run one optimizer step on ``data``; return the exact step metrics (dict of floats)."""
+               loss_scale_factor: float | None = None, pg_kwargs: dict | None = None,
+               fused_lm_head: bool = False) -> dict:
+    """Run one optimizer step on ``data``; return the exact step metrics (dict of floats).
+
+    ``fused_lm_head``: run the student's backbone only and hand its hidden states and lm_head to the fused losses
+    (``opdistill.fused``): same loss, gradients and metrics, no [tokens, vocab] logits buffer."""
     model.train()
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
@@ -97,9 +109,13 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         idx = torch.tensor(rows)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with autocast:
-            logits = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
-        if logits.dtype not in (torch.float32, torch.float64):  # bf16 autocast: the losses upcast, do it once here
-            logits = logits.float()
+            if fused_lm_head:
+                logits = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
+                                          attention_mask=data.attention_mask[idx, :L])
+            else:
+                logits = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
+        if not fused_lm_head and logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # bf16 autocast: the losses upcast, do it once here
         loss, metrics = _micro_loss(method, loss_fn, logits, data, rows, L, targets, mask, batch,
                                     pg_kwargs or {})
         loss.backward()
