@@ -22,5 +22,6 @@ def test_smollm2_two_steps(tmp_path):
     steps = [r for r in rows if "distillation/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["distillation/loss"] >= 0 and 0 < r["distillation/teacher_mass"] <= 1 + 1e-5
+        assert r["distillation/loss"] == r["distillation/loss"]  # logged and not NaN
+        assert r["train/response_tokens"] > 0 and r["train/grad_norm"] > 0
     assert summary["final_eval"]["eval/teacher_kl"] == summary["final_eval"]["eval/teacher_kl"]  # not NaN
