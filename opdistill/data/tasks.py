@@ -15,6 +15,7 @@ student's own samples (on-policy) is supposed to matter.
 """
 from __future__ import annotations
 
+import abc
 import random
 import re
 from dataclasses import dataclass
@@ -31,14 +32,16 @@ class Problem:
     solution: str | None = None
 
 
-class Task:
+class Task(abc.ABC):
+    """A source of problems with a verifier: ``sample`` draws one, ``score`` returns the 0/1 reward of a completion."""
+
     name = "task"
 
-    def sample(self, rng: random.Random) -> Problem:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def sample(self, rng: random.Random) -> Problem: ...
 
-    def score(self, problem: Problem, completion: str) -> float:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def score(self, problem: Problem, completion: str) -> float: ...
 
 
 class CarryAdditionTask(Task):
