@@ -55,6 +55,17 @@ def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
     c = load_cache(cache)
     assert c["scores"].topk.ids.shape[-1] == 4 and c["input_ids"].shape[0] == 6  # 3 prompts x n=2
 
+    # off-policy KD straight from the cache: no generation, no teacher forward in the training steps
+    kd = tmp_path / "kd"
+    assert main(["train", "--config", str(cfg_file), "train.method=off_policy", f"data.teacher_cache={cache}",
+                 "data.prompts_per_step=2", "train.steps=2", f"run_dir={kd}", "eval.num_prompts=0"]) == 0
+    capsys.readouterr()
+    steps = [r for r in read_metrics(kd) if "distillation/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["time/rollout_s"] == 0.0 and r["time/teacher_s"] == 0.0 for r in steps)
+    assert [r["train/cache_rows_seen"] for r in steps] == [4.0, 6.0]  # 2 prompts x n=2 per step, 6 rows in all
+    assert all(r["distillation/loss"] > 0 for r in steps)
+
 
 def test_unknown_key_and_bad_value_exit_2_with_message(cfg_file, capsys):
     assert main(["train", "--config", str(cfg_file), "train.stepz=3"]) == 2

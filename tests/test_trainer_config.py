@@ -92,3 +92,10 @@ def test_shipped_configs_load():
     for path in ("configs/demo_carry_add.yaml", "configs/smollm2_gsm_symbolic.yaml"):
         cfg = load_config(path)
         assert cfg.model.student and cfg.model.teacher
+
+
+def test_teacher_cache_only_for_off_policy(tmp_path):
+    base = {"model": {"student": "s", "teacher": "t"}, "data": {"teacher_cache": str(tmp_path / "c.safetensors")}}
+    with pytest.raises(ConfigError, match="data.teacher_cache"):
+        load_config(base=base)
+    assert load_config(base=base, overrides=["train.method=off_policy"]).data.teacher_cache.endswith("c.safetensors")

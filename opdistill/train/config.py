@@ -57,6 +57,7 @@ class DataConfig:
     use_chat_template: bool = True
     prompts_per_step: int = 16
     eval_seed: int = 0  # the held-out set and the evaluation's sampling stream (independent of train.seed)
+    teacher_cache: Optional[str] = None  # off_policy only: train on the rows of an `opdistill score` cache, in order
 
     def __post_init__(self):
         _check(self.task in ("carry_add", "gsm_symbolic", "dataset"), "data.task",
@@ -188,6 +189,12 @@ class TrainerConfig:
             # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
             _check(not self.loss.use_policy_gradient and not self.loss.use_task_rewards, "loss.use_policy_gradient",
                    "false (and loss.use_task_rewards false) for method off_policy", self.loss.use_policy_gradient)
+        if self.data.teacher_cache is not None:
+            _check(self.train.method == "off_policy", "data.teacher_cache",
+                   "set only with train.method off_policy (on-policy samples cannot come from a cache)",
+                   self.data.teacher_cache)
+            _check(self.loss.loss_mode in ("topk", "sampled"), "loss.loss_mode",
+                   "topk or sampled when training from data.teacher_cache", self.loss.loss_mode)
         if self.train.method == "rl" or self.loss.use_task_rewards:
             _check(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
                    "a column name: rewards need a verifier (method rl or loss.use_task_rewards)",

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from opdistill import DistillationLoss
+from opdistill import DistillationLoss, TeacherTopK
 from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import score_teacher
+from opdistill.teacher import load_cache, score_teacher
 from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from opdistill.train.config import TrainerConfig, config_to_dict
 from opdistill.train.evaluate import evaluate
@@ -93,8 +93,42 @@ def lr_lambda(optim_cfg, total_steps: int):
     return fn
 
 
-def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource):
-    """Rollouts, teacher scores and advantages for one step; returns (StepData, metrics)."""
+def open_teacher_cache(cfg: TrainerConfig) -> dict | None:
+    """The ``data.teacher_cache`` rows, checked against the loss before any training (None when unset)."""
+    if cfg.data.teacher_cache is None:
+        return None
+    cache = load_cache(cfg.data.teacher_cache)
+    scores, lc = cache["scores"], cfg.loss
+    if lc.loss_mode == "topk" and scores.topk is None:
+        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no top-k scores (loss.loss_mode=topk)")
+    if lc.loss_mode == "topk" and lc.topk is not None and scores.topk.ids.shape[-1] != lc.topk:
+        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds top-{scores.topk.ids.shape[-1]} "
+                         f"scores but loss.topk={lc.topk}")
+    if lc.loss_mode == "sampled" and scores.sampled_logprobs is None:
+        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no sampled-token log-probs")
+    return cache
+
+
+def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict):
+    """Off-policy KD from a teacher cache: the step's rows are the next prompts_per_step x n rows, wrapping around,
+    so the data position is a function of the step (exact resume) and no teacher forward runs in training."""
+    total = cache["input_ids"].shape[0]
+    rows = cfg.data.prompts_per_step * cfg.rollout.n
+    idx = (torch.arange(rows) + (step - 1) * rows) % total
+    scores = cache["scores"]
+    data = StepData(cache["input_ids"][idx], cache["attention_mask"][idx], cache["response_mask"][idx],
+                    teacher_topk=None if scores.topk is None else TeacherTopK(scores.topk.ids[idx],
+                                                                            scores.topk.logprobs[idx]),
+                    teacher_sampled=None if scores.sampled_logprobs is None else scores.sampled_logprobs[idx])
+    tokens = float(data.response_mask.sum())
+    return data, {"train/response_len": tokens / rows, "time/rollout_s": 0.0, "time/teacher_s": 0.0,
+                  "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * rows, total))}
+
+
+def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None):
+    """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics)."""
+    if cache is not None:
+        return _collect_from_cache(cfg, step, cache)
     rc, method = cfg.rollout, cfg.train.method
     problems = source.batch(step, cfg.data.prompts_per_step)
     prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
@@ -154,6 +188,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
     optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
     loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
+    cache = open_teacher_cache(cfg)
     pg_kwargs = dict(loss_agg_mode=cfg.loss.loss_agg_mode, clip_ratio_low=cfg.loss.clip_ratio_low,
                      clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c)
 
@@ -186,7 +221,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
                 break
             step += 1
             t0 = time.perf_counter()
-            data, metrics = _collect(cfg, step, tok, student, teacher, task, source)
+            data, metrics = _collect(cfg, step, tok, student, teacher, task, source, cache)
             t1 = time.perf_counter()
             metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                       micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
