@@ -4,6 +4,7 @@ Layers (each imports only the ones above it in this list): ``ops`` (per-token ma
 (aggregation over one optimizer step) -> ``loss`` (config, update rule) -> parallel/fused variants -> trainer.
 """
 
+from .fused import StudentHidden, TeacherHidden
 from .batch import AGG_MODES, GlobalBatch, aggregate, pack, response_logits_slice, shift_for_next_token, unpack
 from .loss import (
     DistillationConfig,
@@ -38,6 +39,8 @@ __all__ = [
     "TeacherLogits",
     "TeacherSampled",
     "TeacherTopK",
+    "StudentHidden",
+    "TeacherHidden",
     "TopKResult",
     "aggregate",
     "generalized_jsd",
