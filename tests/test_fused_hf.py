@@ -36,8 +36,7 @@ MODELS = [
 
 @pytest.mark.parametrize("cls_name,cfg_name,extra", MODELS)
 def test_fused_matches_model_logits(cls_name, cfg_name, extra):
-    if not hasattr(transformers, cls_name):
-        pytest.skip(f"{cls_name} not in this transformers")
+    assert hasattr(transformers, cls_name), f"{cls_name} missing from transformers {transformers.__version__}"
     model = tiny(cls_name, cfg_name, **extra)
     x = torch.randint(0, 131, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(x)
