@@ -1,7 +1,9 @@
 """opdistill: exact, memory-lean on-policy distillation of language models.
 
-Layers (each imports only the ones above it in this list): ``ops`` (per-token math) -> ``batch``/``metrics``
-(aggregation over one optimizer step) -> ``loss`` (config, update rule) -> parallel/fused variants -> trainer.
+Layers, lowest first; each imports only the layers before it (docs/architecture.md, tests/test_layering.py):
+``ops`` (per-token math) -> ``batch``/``metrics`` (aggregation over one optimizer step) and ``parallel``/``fused``
+(variants of the ops) -> ``loss`` and this package root (config, update rule, back-end dispatch) -> models, data,
+rollout, teacher -> ``train`` -> ``demo`` -> ``cli``.
 """
 
 from .fused import StudentHidden, TeacherHidden

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a student (on-policy distillation, off-policy KD or RL)",
                        description="Train from a YAML config; dotted.key=value arguments override it "
                                    "(unknown keys are errors). Example: opdistill train --config "
-                                   "configs/demo.yaml train.steps=50 optim.lr=1e-3")
+                                   "configs/demo_carry_add.yaml train.steps=50 optim.lr=1e-3")
     t.add_argument("--config", required=True, help="YAML config file")
     t.add_argument("--resume", action="store_true", help="continue exactly from the run's latest checkpoint")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides")

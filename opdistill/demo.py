@@ -1,7 +1,7 @@
 """``opdistill demo``: on-policy distillation vs off-policy KD vs RL from a 0/1 reward, same student start.
 
 The packaged teacher (4 layers, hidden 128) solves ``carry_add`` (worked column-by-column addition, ~30-45 tokens of
-answer); the packaged student start (2 layers, hidden 64) was trained just far enough to know the answer format. From
+answer); the packaged student start (2 layers, hidden 128) was trained just far enough to know the answer format. From
 that same start, for each seed, three methods train for the same wall-clock budget (rollout + teacher + update time;
 evaluation excluded):
 

@@ -94,8 +94,6 @@ class MetricSums:
             self._max[key] = torch.maximum(self._max[key], other._max[key])
         return self
 
-    __iadd__ = merge
-
     def keys(self) -> list[tuple[str, str]]:
         """The recorded (name, kind) pairs, sorted."""
         return sorted(self._num)

@@ -36,19 +36,6 @@ class RolloutBatch:
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: list[int]) -> "RolloutBatch":
-        """A sub-batch of these rows, trimmed to its own longest row."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        length = int(self.attention_mask[idx].sum(-1).max()) if rows else 0
-        return RolloutBatch(
-            self.input_ids[idx, :length],
-            self.attention_mask[idx, :length],
-            self.response_mask[idx, :length],
-            self.sampler_logprobs[idx, :length],
-            [self.prompt_index[i] for i in rows],
-            [self.texts[i] for i in rows],
-        )
-
 
 class _RecordLogprobs:
     """LogitsProcessor that records log p(sampled token) one step late, holding one [rows, V] tensor at a time."""

@@ -47,7 +47,6 @@ class DatasetTask(Task):
             for r in ds
         ]
         self.has_answers = answer_field is not None
-        self._i = 0
 
     def sample(self, rng: random.Random) -> Problem:
         return self.rows[rng.randrange(len(self.rows))]

@@ -43,11 +43,6 @@ class StudentHidden:
         check_temperature(tau)
         return float(tau) / float(self.logit_scale)
 
-    @property
-    def local_vocab_size(self) -> int:
-        """Rows of ``weight`` on this rank (the whole vocabulary without ``vocab_group``)."""
-        return self.weight.shape[0]
-
 
 @dataclass(frozen=True)
 class TeacherHidden:
