@@ -5,7 +5,12 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["RunLogger", "read_metrics"]
+__all__ = ["PROGRESS_KEYS", "RunLogger", "read_metrics"]
+
+# (metric, short name) shown on the progress bar when the step emits it; RL emits policy/loss, distillation emits
+# distillation/loss (tests/test_trainer_metric_names.py checks that every name here is emitted by some run)
+PROGRESS_KEYS = (("distillation/loss", "loss"), ("policy/loss", "pg"), ("train/reward", "reward"),
+                 ("eval/teacher_kl", "kl"), ("eval/greedy_acc", "acc"))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -48,8 +53,7 @@ class RunLogger:
                     self.tb.add_scalar(k, v, step)
         if self.bar is not None:
             post = {}
-            for key, short in (("distillation/loss", "loss"), ("actor/pg_loss", "pg"), ("train/reward", "reward"),
-                               ("eval/teacher_kl", "kl"), ("eval/greedy_acc", "acc")):
+            for key, short in PROGRESS_KEYS:
                 if key in metrics and metrics[key] is not None:
                     post[short] = f"{metrics[key]:.4g}"
             if post:

@@ -5,10 +5,12 @@ from pathlib import Path
 
 from opdistill.train.logger import read_metrics
 
-__all__ = ["plot_run"]
+__all__ = ["PANELS", "plot_run"]
 
+# (title, metric names): distillation/loss for distillation, policy/loss for RL (train.method rl), task/loss and
+# loss/total with task rewards (tests/test_trainer_metric_names.py checks that every name here is emitted by some run)
 PANELS = [
-    ("loss", ["distillation/loss", "actor/pg_loss"]),
+    ("loss", ["distillation/loss", "policy/loss", "task/loss", "loss/total"]),
     ("teacher-KL (held-out, student samples)", ["eval/teacher_kl"]),
     ("overlap ratio", ["distillation/overlap_ratio", "eval/overlap_ratio"]),
     ("masses on teacher top-k", ["distillation/student_mass", "distillation/teacher_mass", "eval/student_mass",
