@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from opdistill.fused import StudentHidden, causal_lm_hidden, check_lm_head, fused_topk_divergence  # noqa: E402
 from opdistill.ops.topk import topk_divergence  # noqa: E402
+from tests.conftest import random_teacher_topk, seeded  # noqa: E402
 
 TINY = dict(vocab_size=131, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=64)
@@ -20,10 +21,7 @@ def tiny(cls_name, cfg_name, **extra):
 
 
 def teacher(n_tokens, V, K=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n_tokens)])
-    lp = torch.log_softmax(torch.randn(n_tokens, V, generator=g) * 2, -1).gather(-1, ids)
-    return ids, lp
+    return random_teacher_topk(seeded(seed), n_tokens, V, K, scale=2)
 
 
 MODELS = [

@@ -7,19 +7,20 @@ import torch
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, TeacherSampled, TeacherTopK
 from opdistill.fused import StudentHidden, TeacherHidden
 from opdistill.loss import TeacherLogits
+from tests.conftest import random_teacher_topk, seeded
 
 B, S, H, V, K = 3, 5, 8, 67, 4
 
 
 def inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     h = (torch.randn(B, S, H, generator=g) * 0.7).requires_grad_(True)
     w = (torch.randn(V, H, generator=g) * 0.7).requires_grad_(True)
     b = (torch.randn(V, generator=g) * 0.2).requires_grad_(True)
     mask = torch.rand(B, S, generator=g) > 0.3
     mask[1] = False  # an empty sequence
-    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).reshape(B, S, K)
-    lp = torch.log_softmax(torch.randn(B, S, V, generator=g) * 2, -1).gather(-1, ids)
+    ids, lp = random_teacher_topk(g, B * S, V, K, scale=2)
+    ids, lp = ids.reshape(B, S, K), lp.reshape(B, S, K)
     sampled = torch.randint(0, V, (B, S), generator=g)
     t_lp = -torch.rand(B, S, generator=g) * 3
     old = -torch.rand(B, S, generator=g) * 3

@@ -7,14 +7,14 @@ import torch
 
 from opdistill.fused import fused_generalized_jsd, fused_token_logprobs, fused_topk_divergence
 from opdistill.ops.topk import topk_divergence
+from tests.conftest import random_teacher_topk, seeded
 
 
 def make(n=48, H=32, V=500, K=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     h = torch.randn(n, H, generator=g, dtype=torch.float64)
     w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7  # logits of size ~4: bf16 rounds them by ~0.015
-    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n)])
-    lp = torch.log_softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 3, -1).gather(-1, ids)
+    ids, lp = random_teacher_topk(g, n, V, K, scale=3, dtype=torch.float64)
     return h, w, ids, lp
 
 

@@ -8,28 +8,19 @@ import torch
 
 from opdistill.fused import fused_topk_divergence
 from opdistill.ops.topk import topk_divergence
+from tests.conftest import COMBOS, random_teacher_topk, seeded
 
-COMBOS = [
-    ("truncated", "forward"),
-    ("tail", "forward"),
-    ("tail", "reverse"),
-    ("tail", "jsd"),
-    ("renormalized", "forward"),
-    ("renormalized", "reverse"),
-    ("renormalized", "jsd"),
-]
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def make(lead=(5, 7), H=12, V=97, K=6, dtype=torch.float32, seed=0, bias=True, masked_rows=()):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     n = math.prod(lead)
     h = (torch.randn(*lead, H, generator=g, dtype=torch.float64) * 0.6).to(dtype).requires_grad_(True)
     w = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.6).to(dtype).requires_grad_(True)
     b = (torch.randn(V, generator=g, dtype=torch.float64) * 0.3).to(dtype).requires_grad_(True) if bias else None
-    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n)]) if n else torch.zeros(0, K, dtype=torch.int64)
-    teacher = torch.log_softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 2, -1)
-    lp = teacher.gather(-1, ids).to(dtype)
+    ids, lp = random_teacher_topk(g, n, V, K, scale=2, dtype=torch.float64)
+    lp = lp.to(dtype)
     for r in masked_rows:
         lp[r] = float("-inf")  # an all-empty row: what DistillationLoss makes of a masked position
     return h, w, b, ids.reshape(*lead, K), lp.reshape(*lead, K)

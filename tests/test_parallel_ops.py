@@ -22,6 +22,7 @@ from opdistill.parallel import (
 from opdistill.parallel.jsd import jsd_logprob_grad
 
 from . import parallel_op_checks as W
+from .conftest import random_teacher_topk, seeded
 from .parallel_launch import CollectiveCounter
 
 
@@ -60,10 +61,9 @@ def test_token_logprobs_and_jsd_run_no_collective():
 
 def test_truncated_forward_gradient_is_P_pi_minus_nu_on_T():
     """SPEC 5: dL/dz_j = P pi_j - nu_j [j in T] for truncated forward (no clamp, loss > 0), from the definition."""
-    g = torch.Generator().manual_seed(3)
+    g = seeded(3)
     x = torch.randn(6, 17, generator=g, dtype=torch.float64)
-    ids = torch.stack([torch.randperm(17, generator=g)[:4] for _ in range(6)])
-    lp = torch.log_softmax(torch.randn(6, 17, generator=g, dtype=torch.float64), -1).gather(1, ids)
+    ids, lp = random_teacher_topk(g, 6, 17, 4, dtype=torch.float64)
     xl = x.clone().requires_grad_(True)
     res = vocab_parallel_topk_divergence(xl, ids, lp)
     assert bool((res.loss > 0).all())
