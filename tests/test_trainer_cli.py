@@ -28,7 +28,7 @@ def test_help(cmd, capsys):
 def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
     run = tmp_path / "run2"
     assert main(["train", "--config", str(cfg_file), "train.steps=3", f"run_dir={run}", "loss.divergence=reverse",
-                 "optim.lr=5e-3"]) == 0
+                 "optim.lr=5e-3", "log.tensorboard=true"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 3
     rows = read_metrics(run)
@@ -38,7 +38,14 @@ def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
     assert resolved["train"]["steps"] == 3 and resolved["loss"]["divergence"] == "reverse"
     assert resolved["optim"]["lr"] == 5e-3
     assert (run / "checkpoints" / "step_00000003" / "model.safetensors").exists()
-    assert any((run / "tensorboard").iterdir()) if (run / "tensorboard").exists() else True
+    # log.tensorboard=true: the same scalars as metrics.jsonl, as TensorBoard events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("distillation/loss")]
+    assert scalars == [(r["step"], pytest.approx(r["distillation/loss"], rel=1e-6)) for r in rows[1:4]]
+    assert [e.step for e in events.Scalars("eval/teacher_kl")] == [0, 3]
 
     assert main(["eval", "--config", str(cfg_file), f"run_dir={run}", "--checkpoint", "latest"]) == 0
     ev = json.loads(capsys.readouterr().out)

@@ -1,4 +1,5 @@
 """One optimizer step: token-budget micro-batches give the same step as one big batch; GRPO advantages."""
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from opdistill.teacher import score_teacher
 from opdistill.train.config import load_config
 from opdistill.train.step import StepData, group_advantages, token_budget_split, train_step
 from opdistill import DistillationLoss
+from tests.conftest import ref_topk_objective
 
 
 def test_token_budget_split():
@@ -83,15 +85,34 @@ def test_micro_batching_gives_the_same_step_as_one_big_batch(method, loss):
 
 
 def test_bf16_autocast_step_runs_with_fp32_losses():
+    """bf16 autocast runs the model in bf16 and the loss in fp32: the step's loss metrics equal the float64 reference
+    on the bf16 logits the model produced, to fp32 accuracy (rel 1e-5); a loss computed in bf16 would be off by
+    ~2^-8. The step updates the fp32 weights and leaves them fp32."""
     student, data = _setup(dtype=torch.float32)
     data.sampler_logprobs = data.sampler_logprobs.float()
     cfg = load_config(base={"model": {"student": "s", "teacher": "t"},
                             "loss": {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4}})
+    # the logits the step sees: one micro-batch (budget 10**6) of the rows cut to the longest one, under autocast
+    L = int(data.attention_mask.sum(-1).max())
+    student.train()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = student(input_ids=data.input_ids[:, :L], attention_mask=data.attention_mask[:, :L]).logits
+    assert logits.dtype == torch.bfloat16
+    mask = torch.zeros_like(data.response_mask, dtype=torch.bool)
+    mask[:, :-1] = data.response_mask[:, 1:].bool()  # row t predicts token t + 1
+    mask = mask[:, :L]
+    teacher = data.teacher_topk
+    objective, per_token = ref_topk_objective(logits, teacher.ids[:, :L], teacher.logprobs[:, :L], mask, "tail",
+                                              "reverse")
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
-    m = train_step(student, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=64,
+    m = train_step(student, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=10**6,
                    grad_clip=1.0, bf16=True)
-    assert all(v == v for v in m.values()) and m["distillation/loss"] >= 0
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["train/micro_batches"] == 1 and m["train/response_tokens"] == int(mask.sum())
+    assert m["distillation/loss"] == pytest.approx(objective.item(), rel=1e-5)
+    assert m["distillation/loss_min"] == pytest.approx(per_token[mask].min().item(), rel=1e-5, abs=1e-7)
+    assert m["distillation/loss_max"] == pytest.approx(per_token[mask].max().item(), rel=1e-5)
     assert any(not torch.equal(before[n], p) for n, p in student.named_parameters())
     assert all(p.dtype == torch.float32 for p in student.parameters())
 
