@@ -5,6 +5,7 @@
   values pinned from them) do not depend on which helper built them.
 - ``ref_token_logprobs`` / ``ref_topk_objective``: float64 expectations composed only from ``tests/reference.py``
   (the SPEC definitions), never from the code under test.
+- ``assert_value_and_grad_match``: an op against its reference, in value and in gradient.
 """
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def ref_topk_objective(z, ids, lp, mask, support, divergence, *, mode="token-mea
     per_token = ref.topk_reference(z.double(), ids, lp.double(), support, divergence, beta, clamp, tau)
     clamped = per_token if loss_max_clamp is None else per_token.clamp(-loss_max_clamp, loss_max_clamp)
     return ref.aggregate_reference(clamped, mask, mode), per_token
+
+
+def assert_value_and_grad_match(fn, ref_fn, x: torch.Tensor, *, weights: torch.Tensor | None = None, rtol: float,
+                                atol: float, grad_rtol: float | None = None, grad_atol: float | None = None):
+    """``fn(x)`` equals ``ref_fn(x)`` (the reference, cast to ``fn``'s dtype) in value, and the gradients of
+    ``sum(weights * value)`` with respect to ``x`` agree (weights: ones by default; pass random ones so that errors in
+    the gradient of different positions cannot cancel). Each side gets its own leaf copy of ``x``.
+    Returns (value, reference value)."""
+    x1, x2 = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    got, expect = fn(x1), ref_fn(x2)
+    torch.testing.assert_close(got, expect.to(got.dtype), rtol=rtol, atol=atol)
+    w = torch.ones_like(expect) if weights is None else weights
+    (got * w.to(got.dtype)).sum().backward()
+    (expect * w.to(expect.dtype)).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=rtol if grad_rtol is None else grad_rtol,
+                               atol=atol if grad_atol is None else grad_atol)
+    return got.detach(), expect.detach()
