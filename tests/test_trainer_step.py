@@ -1,18 +1,18 @@
-"""One optimizer step: token-budget micro-batches give the same step as one big batch; GRPO advantages."""
+"""One optimizer step: token-budget micro-batches give the same step as one big batch; GRPO advantages; bf16 autocast
+with fp32 losses; the fused lm_head step equals the logits step."""
 import math
 import random
 
 import pytest
 import torch
 
-from opdistill import TeacherTopK
+from opdistill import DistillationLoss
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
 from opdistill.models import build_tiny_llama, char_tokenizer
 from opdistill.rollout import generate_rollouts
 from opdistill.teacher import score_teacher
 from opdistill.train.config import load_config
 from opdistill.train.step import StepData, group_advantages, token_budget_split, train_step
-from opdistill import DistillationLoss
 from tests.conftest import ref_topk_objective
 
 
