@@ -103,7 +103,10 @@ def _restore_state(tensors: dict, meta: dict, optimizer, scheduler) -> None:
             parts = name.split("/")
             if parts[0] == "optimizer":
                 state.setdefault(int(parts[1]), {})[parts[2]] = v
-        optimizer.load_state_dict({"state": state, "param_groups": om["param_groups"]})
+        # JSON has no tuples: the optimizers' tuple hyper-parameters (AdamW's betas) come back as lists
+        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+                  for g in om["param_groups"]]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     np_name, np_pos, np_has_gauss, np_gauss = meta["rng"]["numpy"]
@@ -127,7 +130,7 @@ def _sha256(path: Path) -> str:
 def _write_manifest(folder: Path, step: int) -> None:
     files = {}
     for p in sorted(folder.rglob("*")):
-        if p.is_file():
+        if p.is_file() and p.name != MANIFEST:
             rel = p.relative_to(folder).as_posix()
             files[rel] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
     manifest = {"format": "opdistill-checkpoint", "version": FORMAT_VERSION, "step": step, "files": files}
