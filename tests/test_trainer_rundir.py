@@ -59,6 +59,21 @@ def test_fresh_train_on_a_run_is_refused_overwrite_replaces_it(cfg_file, tmp_pat
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 1
 
 
+def test_a_run_refused_at_start_up_leaves_no_run(cfg_file, tmp_path, monkeypatch):
+    from opdistill.train import loop
+
+    def broken(cfg):
+        raise RuntimeError("model folder missing")
+
+    monkeypatch.setattr(loop, "load_models", broken)
+    with pytest.raises(RuntimeError, match="model folder missing"):
+        _train(cfg_file)
+    run = tmp_path / "run"
+    assert [p.name for p in run.iterdir() if p.name != ".lock"] == []  # nothing that counts as a run
+    monkeypatch.undo()
+    assert _train(cfg_file) == 0  # so the corrected command just works, no --overwrite needed
+
+
 def test_resume_needs_a_run_and_a_checkpoint(cfg_file, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(cfg_file, "--resume") == 2

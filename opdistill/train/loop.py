@@ -4,9 +4,12 @@
       -> train_step (GlobalBatch, token-budget micro-batches, loss, backward, clip, AdamW) -> scheduler
       -> log (metrics.jsonl, TensorBoard, progress bar) -> evaluate every N -> checkpoint every N
 
-State is passed explicitly. The data position is the step number (prompts are a pure function of seed and step), and
-the sampling RNG is reseeded from (seed, step) at the start of every step, so a run resumed from a checkpoint draws
-exactly the prompts and samples the uninterrupted run drew; RNG states are saved as well for anything outside that.
+State is passed explicitly: what changes from step to step lives in one ``RunState`` (saved in every checkpoint),
+and the run directory's rules (lock, one run per folder, config check on resume, no symlinks) are applied by
+``rundir.open_run_dir`` before any model loads (docs/reliability.md). The data position is the step number (prompts
+are a pure function of seed and step), and the sampling RNG is reseeded from (seed, step) at the start of every step,
+so a run resumed from a checkpoint draws exactly the prompts and samples the uninterrupted run drew; RNG states are
+saved as well for anything outside that.
 ``train.max_time_s`` bounds the time spent in rollout + teacher + update phases (evaluation and checkpointing
 excluded), which is how the demo gives every method the same wall-clock budget.
 """
@@ -220,7 +223,6 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
     rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
     try:
         if not resume:
-            rd.write_config(config_to_dict(cfg))
             return rd, None
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
@@ -266,6 +268,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         state = RunState()
         if ckpt is not None:
             state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler))
+        else:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
+            rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
 
