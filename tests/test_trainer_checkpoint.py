@@ -247,3 +247,23 @@ def test_eval_checkpoint_must_be_a_checkpoint_folder(tmp_path, model_dir, capsys
     assert main(["eval", "--config", str(cfg_file), "--checkpoint", "latest"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"opdistill eval: no checkpoint under {tmp_path / 'run' / 'checkpoints'}")
+
+
+def test_manifest_must_match_its_folder(tmp_path, model_dir):
+    run, _ = _saved_run(tmp_path, model_dir, steps=(1,))
+    c = run / "checkpoints"
+    shutil.copytree(c / "step_00000001", c / "step_00000009")  # a copied checkpoint posing as a later step
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(c / "step_00000009")
+    assert str(e.value) == (f"{c / 'step_00000009' / MANIFEST}: holds step 1 but the folder is named step_00000009 "
+                            f"(a renamed or copied checkpoint)")
+    mpath = c / "step_00000001" / MANIFEST
+    manifest = json.loads(mpath.read_text())
+    manifest["files"]["../../outside"] = {"sha256": "0" * 64, "bytes": 0}
+    mpath.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(c / "step_00000001")
+    assert str(e.value) == f"{mpath}: lists '../../outside', which is outside the checkpoint folder"
+    mpath.write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"manifest.json: unreadable manifest \(JSONDecodeError"):
+        verify_checkpoint(c / "step_00000001")

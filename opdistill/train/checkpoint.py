@@ -152,11 +152,20 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
         version = manifest["version"]
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise TypeError("'files' is not a mapping of file -> {sha256, bytes}")
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e!r})") from e
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: checkpoint format version {version!r}, this opdistill reads version "
                               f"{FORMAT_VERSION}")
+    named = _NAME.fullmatch(path.name)
+    if named and int(named.group(1)) != manifest.get("step"):
+        raise CheckpointError(f"{mpath}: holds step {manifest.get('step')!r} but the folder is named {path.name} "
+                              f"(a renamed or copied checkpoint)")
+    for name in files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{mpath}: lists {name!r}, which is outside the checkpoint folder")
     needed = only if only is not None else _REQUIRED
     for name in needed:
         if name not in files:
