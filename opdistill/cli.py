@@ -22,7 +22,7 @@ def _cmd_train(args):
     from opdistill.train import load_config, run_training
 
     cfg = load_config(args.config, args.overrides)
-    summary = run_training(cfg, resume=args.resume)
+    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
                       "final_eval": summary["final_eval"]}, indent=1))
 
@@ -39,7 +39,7 @@ def _cmd_eval(args):
     import torch
 
     from opdistill.train import load_config
-    from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint
+    from opdistill.train.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.loop import run_eval, build_task, load_models
     from opdistill.data import PromptSource
 
@@ -49,11 +49,9 @@ def _cmd_eval(args):
     tok, student, teacher = load_models(cfg)
     ckpt = args.checkpoint
     if ckpt == "latest":
-        ckpt = latest_checkpoint(cfg.run_dir)
-        if ckpt is None:
-            raise SystemExit(f"opdistill eval: no checkpoint under {cfg.run_dir}/checkpoints")
+        ckpt = resume_checkpoint(cfg.run_dir)
     if ckpt:
-        load_checkpoint(ckpt, student)
+        load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
     task = build_task(cfg)
     metrics = run_eval(cfg, tok, student, teacher, task, PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts))
     print(json.dumps(metrics, indent=1))
@@ -106,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(unknown keys are errors). Example: opdistill train --config "
                                    "configs/demo_carry_add.yaml train.steps=50 optim.lr=1e-3")
     t.add_argument("--config", required=True, help="YAML config file")
-    t.add_argument("--resume", action="store_true", help="continue exactly from the run's latest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue exactly from the run's newest intact checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="delete the run already in run_dir and start a new one")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     t.set_defaults(fn=_cmd_train)
 
@@ -123,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a student (or a checkpoint) on held-out prompts",
                        description="Greedy and sampled verifier accuracy, teacher-KL, overlap and masses.")
     e.add_argument("--config", required=True)
-    e.add_argument("--checkpoint", default=None, help="checkpoint folder, or 'latest' for the run's newest")
+    e.add_argument("--checkpoint", default=None,
+                   help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one")
     e.add_argument("overrides", nargs="*")
     e.set_defaults(fn=_cmd_eval)
 
@@ -150,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_transformers()
     from opdistill.train.config import ConfigError
+    from opdistill.train.rundir import RunError
 
     try:
         args.fn(args)
     except ConfigError as e:
         print(f"opdistill {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:  # run directory, checkpoint or non-finite refusals (opdistill/train/rundir.py)
+        print(f"opdistill {args.command}: {e}", file=sys.stderr)
         return 2
     return 0
 

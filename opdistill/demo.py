@@ -112,7 +112,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
             cfg = load_config(base=demo_config(out_dir, method, seed, budget_s, eval_every, eval_prompts, threads))
             student0.load_state_dict(start_state)
             t0 = time.time()
-            summary = run_training(cfg, models=(tok, student0, teacher), quiet=True)
+            summary = run_training(cfg, overwrite=True, models=(tok, student0, teacher), quiet=True)
             h = summary["eval_history"]
             histories[method][seed] = h
             log(f"[{method} seed {seed}] {summary['steps']} steps in {summary['train_time_s']:.1f} s train "

@@ -120,6 +120,7 @@ class TrainConfig:
     fused_lm_head: bool = False  # fused lm_head + loss (opdistill.fused): no [tokens, vocab] logits buffer
     seed: int = 0
     threads: Optional[int] = None  # torch.set_num_threads; None = leave torch's default
+    max_nonfinite_steps: int = 3  # this many steps in a row with a NaN/inf loss or gradient norm stop the run
 
     def __post_init__(self):
         _check(self.method in METHODS, "train.method", "one of " + "/".join(METHODS), self.method)
@@ -128,6 +129,7 @@ class TrainConfig:
                self.max_time_s)
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "an int >= 1", self.micro_batch_tokens)
         _check(self.threads is None or self.threads >= 1, "train.threads", "an int >= 1 or null", self.threads)
+        _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "an int >= 1", self.max_nonfinite_steps)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
-"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar."""
+"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar.
+
+metrics.jsonl is appended one whole line per ``os.write`` through a descriptor opened with ``O_NOFOLLOW`` (a symlink
+is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes.
+"""
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+from opdistill.train.rundir import atomic_write_text, open_nofollow, read_jsonl
 
 __all__ = ["PROGRESS_KEYS", "RunLogger", "read_metrics"]
 
@@ -14,10 +21,8 @@ PROGRESS_KEYS = (("distillation/loss", "loss"), ("policy/loss", "pg"), ("train/r
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of RUN_DIR/metrics.jsonl (a torn last line is dropped with a ``RunWarning``)."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 class RunLogger:
@@ -27,7 +32,8 @@ class RunLogger:
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
         kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND)
         self.tb = None
         if tensorboard:
             try:
@@ -45,8 +51,9 @@ class RunLogger:
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        line = (json.dumps(row) + "\n").encode()
+        if os.write(self._fd, line) != len(line):  # a short write (disk full): stop rather than leave a torn line
+            raise OSError(f"{self.path}: short write (disk full?)")
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -64,6 +71,9 @@ class RunLogger:
             self.bar.update(1)
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.tb is not None:
             self.tb.close()
         if self.bar is not None:

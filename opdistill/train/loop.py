@@ -4,34 +4,40 @@
       -> train_step (GlobalBatch, token-budget micro-batches, loss, backward, clip, AdamW) -> scheduler
       -> log (metrics.jsonl, TensorBoard, progress bar) -> evaluate every N -> checkpoint every N
 
-State is passed explicitly. The data position is the step number (prompts are a pure function of seed and step), and
-the sampling RNG is reseeded from (seed, step) at the start of every step, so a run resumed from a checkpoint draws
-exactly the prompts and samples the uninterrupted run drew; RNG states are saved as well for anything outside that.
+State is passed explicitly: what changes from step to step lives in one ``RunState`` (saved in every checkpoint),
+and the run directory's rules (lock, one run per folder, config check on resume, no symlinks) are applied by
+``rundir.open_run_dir`` before any model loads (docs/reliability.md). The data position is the step number (prompts
+are a pure function of seed and step), and the sampling RNG is reseeded from (seed, step) at the start of every step,
+so a run resumed from a checkpoint draws exactly the prompts and samples the uninterrupted run drew; RNG states are
+saved as well for anything outside that.
 ``train.max_time_s`` bounds the time spent in rollout + teacher + update phases (evaluation and checkpointing
 excluded), which is how the demo gives every method the same wall-clock budget.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
-from opdistill import DistillationLoss, TeacherTopK
+from opdistill import DistillationLoss, TeacherTopK, shift_for_next_token
 from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
 from opdistill.teacher import load_cache, score_teacher
-from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from opdistill.train.config import TrainerConfig, config_to_dict
+from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
+from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.step import StepData, group_advantages, train_step
 
-__all__ = ["run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
+__all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -140,8 +146,7 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
-        targets = torch.zeros_like(ro.input_ids)
-        targets[:, :-1] = ro.input_ids[:, 1:]
+        targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
         lc = cfg.loss
         scores = score_teacher(teacher, ro.input_ids, ro.attention_mask,
                                k=lc.topk if lc.loss_mode == "topk" else None,
@@ -169,83 +174,148 @@ def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out) -> dict:
                     use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777)
 
 
-def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet: bool = False) -> dict:
-    """Train as configured; returns a summary (steps, time, eval history). ``models`` = (tok, student, teacher)."""
+@dataclass
+class RunState:
+    """What changes from step to step besides the weights, optimizer, scheduler and RNG states; saved in every
+    checkpoint (``to_saved``) so a resumed run continues with the same counters."""
+
+    step: int = 0  # optimizer steps taken = the data position (prompts are a function of (seed, step))
+    train_time: float = 0.0  # seconds in the rollout + teacher + update phases (train.max_time_s)
+    eval_history: list = field(default_factory=list)
+    nonfinite_steps: int = 0  # steps not applied because the loss or gradient norm was NaN/inf
+    nonfinite_in_row: int = 0  # ... consecutively, up to this step (train.max_nonfinite_steps stops the run)
+    last_eval: int = 0
+    last_save: int = 0
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "RunState":
+        step = saved["step"]
+        return cls(step=step, train_time=saved["train_time"], eval_history=saved.get("eval_history", []),
+                   nonfinite_steps=saved.get("nonfinite_steps", 0), nonfinite_in_row=saved.get("nonfinite_in_row", 0),
+                   last_eval=step, last_save=step)
+
+    def to_saved(self) -> dict:
+        return {"train_time": self.train_time, "eval_history": self.eval_history, "data_position": self.step,
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_row": self.nonfinite_in_row}
+
+    def record_eval(self, metrics: dict) -> dict:
+        self.eval_history.append({"step": self.step, "train_time_s": self.train_time, **metrics})
+        self.last_eval = self.step
+        return metrics
+
+    def count_update(self, applied: bool) -> None:
+        self.nonfinite_steps += not applied
+        self.nonfinite_in_row = 0 if applied else self.nonfinite_in_row + 1
+
+
+def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
+    n = cfg.train.max_nonfinite_steps
+    last = f"step {state.last_save}" if state.last_save else "none yet"
+    return NonFiniteError(
+        f"step {state.step}: the loss or gradient norm was NaN/inf for {state.nonfinite_in_row} steps in a row "
+        f"(train.max_nonfinite_steps={n}); none of them was applied and the run is stopped (last checkpoint: {last}). "
+        f"Likely causes: fp16 overflow (model.dtype=float16: use bfloat16 or float32), a learning rate too high "
+        f"(optim.lr={cfg.optim.lr}), bad data or teacher scores (NaN/inf inputs)")
+
+
+def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
+    """Lock the run directory and apply its rules before any model loads: (RunDir, checkpoint to resume or None)."""
+    rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
+    try:
+        if not resume:
+            return rd, None
+        ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
+        changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
+                                         config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
+        if "train.steps" in changes and cfg.optim.schedule == "cosine":
+            warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
+                          f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
+                          f"step on differs from the original run's", RunWarning, stacklevel=3)
+        set_aside_newer(rd.path, ckpt)
+        return rd, ckpt
+    except BaseException:
+        rd.close()
+        raise
+
+
+def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = False, models=None,
+                 quiet: bool = False) -> dict:
+    """Train as configured; returns a summary (steps, time, eval history). ``models`` = (tok, student, teacher).
+
+    ``resume``: continue the run in ``cfg.run_dir`` from its newest intact checkpoint (allowed config changes only);
+    ``overwrite``: delete the run in ``cfg.run_dir`` first. Without either, a ``run_dir`` holding a run is refused
+    (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    torch.manual_seed(cfg.train.seed)
-    tok, student, teacher = models if models is not None else load_models(cfg)
-    task = build_task(cfg)
-    source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
-    held_out = source.held_out(cfg.eval.num_prompts)
-    if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
-        check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
-    oc = cfg.optim
-    params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
-    loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
-    cache = open_teacher_cache(cfg)
-    pg_kwargs = dict(loss_agg_mode=cfg.loss.loss_agg_mode, clip_ratio_low=cfg.loss.clip_ratio_low,
-                     clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c)
+    rd, ckpt = _open_run(cfg, resume, overwrite)
+    with rd:
+        torch.manual_seed(cfg.train.seed)
+        tok, student, teacher = models if models is not None else load_models(cfg)
+        task = build_task(cfg)
+        source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
+        held_out = source.held_out(cfg.eval.num_prompts)
+        if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
+            check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
+        oc = cfg.optim
+        params = [p for p in student.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
+        loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
+        cache = open_teacher_cache(cfg)
+        pg_kwargs = dict(loss_agg_mode=cfg.loss.loss_agg_mode, clip_ratio_low=cfg.loss.clip_ratio_low,
+                         clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c)
 
-    start_step, train_time, history = 0, 0.0, []
-    if resume:
-        ckpt = latest_checkpoint(run_dir)
+        state = RunState()
         if ckpt is not None:
-            state = load_checkpoint(ckpt, student, optimizer, scheduler)
-            start_step, train_time, history = state["step"], state["train_time"], state.get("eval_history", [])
-    logger = RunLogger(run_dir, start_step=start_step, tensorboard=cfg.log.tensorboard,
-                       progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
+            state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler))
+        else:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
+            rd.write_config(config_to_dict(cfg))
+        logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
+                           progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
 
-    def do_eval(step):
-        m = run_eval(cfg, tok, student, teacher, task, held_out)
-        history.append({"step": step, "train_time_s": train_time, **m})
-        return m
+        evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
+        save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
+                                 keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
 
-    def do_save(step):
-        save_checkpoint(run_dir, step, student, optimizer, scheduler,
-                        {"train_time": train_time, "eval_history": history, "data_position": step},
-                        keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
-
-    try:
-        if start_step == 0 and cfg.eval.num_prompts:
-            logger.log(0, do_eval(0))
-        step = start_step
-        last_eval, last_save = start_step, start_step
-        while step < cfg.train.steps:
-            if cfg.train.max_time_s is not None and train_time >= cfg.train.max_time_s:
-                break
-            step += 1
-            t0 = time.perf_counter()
-            data, metrics = _collect(cfg, step, tok, student, teacher, task, source, cache)
-            t1 = time.perf_counter()
-            metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
-                                      micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
-                                      bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
-                                      pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head))
-            metrics["train/lr"] = scheduler.get_last_lr()[0]
-            scheduler.step()
-            t2 = time.perf_counter()
-            train_time += t2 - t0
-            metrics.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0, "time/train_total_s": train_time,
-                            "perf/tokens_per_s": metrics["train/generated_tokens"] / max(t2 - t0, 1e-9)})
-            if cfg.eval.every and step % cfg.eval.every == 0 and cfg.eval.num_prompts:
-                metrics.update(do_eval(step))
-                last_eval = step
-            logger.log(step, metrics)
-            logger.advance()
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                do_save(step)
-                last_save = step
-        if last_eval != step and cfg.eval.num_prompts:
-            logger.log(step, do_eval(step))
-        if cfg.checkpoint.save_final and last_save != step:
-            do_save(step)
-    finally:
-        logger.close()
-    return {"steps": step, "train_time_s": train_time, "eval_history": history,
-            "final_eval": history[-1] if history else {}}
+        try:
+            if state.step == 0 and cfg.eval.num_prompts:
+                logger.log(0, state.record_eval(evaluate_now()))
+            while state.step < cfg.train.steps:
+                if cfg.train.max_time_s is not None and state.train_time >= cfg.train.max_time_s:
+                    break
+                state.step += 1
+                t0 = time.perf_counter()
+                data, metrics = _collect(cfg, state.step, tok, student, teacher, task, source, cache)
+                t1 = time.perf_counter()
+                metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
+                                          micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
+                                          bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
+                                          pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head))
+                state.count_update(applied=not metrics["train/nonfinite"])
+                metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
+                metrics["train/lr"] = scheduler.get_last_lr()[0]
+                scheduler.step()  # a skipped update still consumes its step: the schedule follows the data position
+                t2 = time.perf_counter()
+                state.train_time += t2 - t0
+                metrics.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
+                                "time/train_total_s": state.train_time,
+                                "perf/tokens_per_s": metrics["train/generated_tokens"] / max(t2 - t0, 1e-9)})
+                if state.nonfinite_in_row >= cfg.train.max_nonfinite_steps:
+                    logger.log(state.step, metrics)
+                    raise _stop_nonfinite(cfg, state)
+                if cfg.eval.every and state.step % cfg.eval.every == 0 and cfg.eval.num_prompts:
+                    metrics.update(state.record_eval(evaluate_now()))
+                logger.log(state.step, metrics)
+                logger.advance()
+                if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+                    save(step=state.step, state=state.to_saved())
+                    state.last_save = state.step
+            if state.last_eval != state.step and cfg.eval.num_prompts:
+                logger.log(state.step, state.record_eval(evaluate_now()))
+            if cfg.checkpoint.save_final and state.last_save != state.step:
+                save(step=state.step, state=state.to_saved())
+                state.last_save = state.step
+        finally:
+            logger.close()
+    return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
+            "final_eval": state.eval_history[-1] if state.eval_history else {}}

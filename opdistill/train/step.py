@@ -104,6 +104,7 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     batch = GlobalBatch.from_masks(masks, group=None, loss_scale_factor=loss_scale_factor)
     optimizer.zero_grad(set_to_none=True)
     sums = MetricSums()
+    loss_sum = torch.zeros(())
     for rows in micro:
         L = max(lengths[r] for r in rows)
         idx = torch.tensor(rows)
@@ -119,14 +120,21 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         loss, metrics = _micro_loss(method, loss_fn, logits, data, rows, L, targets, mask, batch,
                                     pg_kwargs or {})
         loss.backward()
+        loss_sum = loss_sum + loss.detach().float()
         sums.merge(metrics)
     params = [p for p in model.parameters() if p.requires_grad]
     if grad_clip is not None:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-    optimizer.step()
+    # Non-finite policy (docs/reliability.md): a step whose loss or gradient norm is NaN/inf is not applied.
+    applied = bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     out = sums.reduce(group=None)
+    out["train/nonfinite"] = float(not applied)
     out["train/grad_norm"] = float(grad_norm)
     out["train/micro_batches"] = float(len(micro))
     out["train/response_tokens"] = float(batch.num_tokens)

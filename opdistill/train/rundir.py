@@ -1,0 +1,291 @@
+"""The run directory: one run per folder, an exclusive lock, the config it was started with, writes that never follow
+symlinks.
+
+A run directory holds ``config.yaml`` (the resolved config the run was started with, written once and never rewritten),
+``config_history.jsonl`` (one line per resume that changed an allowed key), ``metrics.jsonl``, ``tensorboard/`` and
+``checkpoints/``. The rules (docs/reliability.md):
+
+- A fresh ``train`` on a folder that holds a run is refused: ``--resume`` continues it, ``--overwrite`` deletes it
+  first, another ``run_dir`` leaves it alone. ``--resume`` on a folder without a checkpoint is refused too.
+- One process at a time: ``open_run_dir`` takes an exclusive ``filelock`` on ``RUN_DIR/.lock`` (released when the
+  process ends, even by SIGKILL: it is an OS lock) and a second process is refused, naming the lock.
+- Nothing in the folder is written through a symlink: the known entries are checked with ``lstat`` and refused when
+  they are links, and files are opened with ``O_NOFOLLOW`` (the run folder itself may be a link, e.g. to another disk).
+- ``--resume`` compares the resolved config with the run's: only the keys in :data:`RESUMABLE_KEYS` may change (each
+  change is appended to ``config_history.jsonl``); any other difference is refused with the diff of every changed key.
+
+Every refusal raises :class:`RunError` (the CLI prints its one-line message and exits 2).
+"""
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import yaml
+
+__all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
+           "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
+           "read_jsonl"]
+
+# Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
+# and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
+# else (models, method, loss, data, seed, optimizer, rollout, dtype) changes what the run means and is refused.
+RESUMABLE_KEYS = (
+    "run_dir",
+    "train.steps",
+    "train.max_time_s",
+    "train.threads",
+    "train.micro_batch_tokens",
+    "train.max_nonfinite_steps",
+    "eval.*",
+    "log.*",
+    "checkpoint.*",
+)
+
+# What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
+RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png")
+_LOCK = ".lock"
+
+
+class RunError(Exception):
+    """A refusal of the run directory, a checkpoint or the run's state; the message is one line naming the file or
+    key and the fix. The CLI prints it and exits 2."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint is missing, incomplete, corrupt (SHA-256 mismatch) or not in this version's format."""
+
+
+class NonFiniteError(RunError):
+    """Training produced non-finite values (loss, gradient or weights) and was stopped."""
+
+
+class RunWarning(UserWarning):
+    """Something in the run directory was skipped or repaired (a corrupt checkpoint, a stray folder, a torn line)."""
+
+
+def check_not_symlink(path: Path) -> None:
+    """Refuse ``path`` when it is a symlink (writes never follow links out of the run directory)."""
+    if path.is_symlink():
+        raise RunError(f"{path} is a symlink; opdistill never writes through links in a run directory "
+                       f"(replace it with a regular file or folder, or use another run_dir)")
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` with ``O_NOFOLLOW``: a symlink at ``path`` is refused with :class:`RunError`."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as e:
+        if path.is_symlink():
+            raise RunError(f"{path} is a symlink; opdistill never writes through links in a run directory "
+                           f"(replace it with a regular file, or use another run_dir)") from e
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a fresh temporary file beside ``path``, fsync it, and rename it over ``path`` (a rename
+    replaces a link itself, never its target; a link at ``path`` is refused first)."""
+    check_not_symlink(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file written by appends. A last line that does not parse is a write torn by a kill: it is
+    dropped with a :class:`RunWarning`; a bad line before the last is corruption and raises :class:`RunError`."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: line {i + 1} is torn (a write cut off by a kill?); it is ignored and will be "
+                              f"cut off on resume", RunWarning, stacklevel=2)
+                break
+            raise RunError(f"{path}: line {i + 1} is not JSON ({e.msg}); the file is corrupt") from e
+    return rows
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_KEYS)
+
+
+def config_changes(old: dict, new: dict) -> dict[str, tuple]:
+    """``{dotted key: (old value, new value)}`` for every key whose value differs (a missing key reads as None)."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _fmt_changes(changes: dict[str, tuple]) -> str:
+    return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
+class RunDir:
+    """An opened, locked run directory (use :func:`open_run_dir`); ``close()`` releases the lock."""
+
+    def __init__(self, path: Path, lock):
+        self.path = path
+        self._lock = lock
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def history_path(self) -> Path:
+        return self.path / "config_history.jsonl"
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def write_config(self, cfg_dict: dict) -> None:
+        """The run's config, written once when a fresh run starts."""
+        atomic_write_text(self.config_path, yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    def effective_config(self, load) -> dict:
+        """The run's config as last resumed: ``config.yaml`` (read through ``load``, so new schema keys get their
+        defaults) with every change of ``config_history.jsonl`` applied in order."""
+        check_not_symlink(self.config_path)
+        try:
+            base = load(self.config_path)
+        except Exception as e:  # noqa: BLE001 -- any load failure of the stored config is one user-facing refusal
+            raise RunError(f"{self.config_path}: the run's config no longer loads ({e}); resume it with the opdistill "
+                           f"version that started it, or start a new run") from e
+        flat = _flatten(base)
+        for row in read_jsonl(self.history_path):
+            for key, change in row.get("changes", {}).items():
+                flat[key] = change["to"]
+        return _unflatten(flat)
+
+    def check_resume_config(self, old: dict, new: dict, step: int) -> dict[str, tuple]:
+        """Refuse a change to a key outside :data:`RESUMABLE_KEYS` (with the diff of every such key); append the
+        allowed changes to ``config_history.jsonl``; return them."""
+        changes = config_changes(old, new)
+        refused = {k: v for k, v in changes.items() if not _resumable(k)}
+        if refused:
+            raise RunError(f"--resume: the config changes what run {self.path} means: {_fmt_changes(refused)}; only "
+                           f"{', '.join(RESUMABLE_KEYS)} may change on resume (start another run_dir, or use "
+                           f"--overwrite to replace this run)")
+        if changes:
+            row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "resumed_at_step": step, "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}}
+            check_not_symlink(self.history_path)
+            fd = open_nofollow(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return changes
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for key, v in flat.items():
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return out
+
+
+def _holds_run(path: Path) -> list[str]:
+    return [name for name in RUN_ENTRIES if os.path.lexists(path / name)]
+
+
+def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = False) -> RunDir:
+    """Create/open ``path`` for a run and lock it; apply the refusal rules (module docstring). With ``overwrite``
+    the previous run's entries (:data:`RUN_ENTRIES`) are deleted first (links are removed, never followed)."""
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite contradict each other: --resume continues the run in run_dir, "
+                       "--overwrite deletes it")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RunError(f"run_dir {path} is a file, not a folder; choose another run_dir")
+    path.mkdir(parents=True, exist_ok=True)
+    lock = _acquire_lock(path)
+    try:
+        for name in RUN_ENTRIES:
+            if not overwrite:
+                check_not_symlink(path / name)
+        found = _holds_run(path)
+        if overwrite:
+            for name in found:
+                p = path / name
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        elif resume:
+            if not (path / "config.yaml").exists():
+                raise RunError(f"--resume: {path} holds no run (no config.yaml); start a new run without --resume")
+        elif found:
+            raise RunError(f"run_dir {path} already holds a run ({', '.join(found)}); continue it with --resume, "
+                           f"replace it with --overwrite, or choose another run_dir")
+    except BaseException:
+        lock.release()
+        raise
+    return RunDir(path, lock)
+
+
+def _acquire_lock(path: Path):
+    from filelock import FileLock, Timeout
+
+    lock_path = path / _LOCK
+    check_not_symlink(lock_path)
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunError(f"run_dir {path} is in use by another opdistill process (it holds {lock_path}); wait for it to "
+                       f"finish, or choose another run_dir") from None
+    return lock
