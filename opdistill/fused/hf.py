@@ -1,21 +1,12 @@
-"""transformers integration: the ONE reader of a causal LM's lm_head, and the backbone run for the fused ops.
+"""transformers integration: the ONE reader of a causal LM's lm_head (``read_lm_head``: the teacher, the fused path
+and the trainer all read heads through it), and the backbone run that feeds the fused ops (``causal_lm_hidden``).
 
-    student = causal_lm_hidden(model, input_ids, attention_mask=mask)     # StudentHidden, no [B, S, V] logits
-    head = read_lm_head(teacher)                                           # LMHead: the teacher scores with it
-
-``read_lm_head`` is the only place that knows how a model turns its final hidden states into logits:
-logits = softcap(logit_scale * (hidden @ W^T + b)).  The weight is ``model.get_output_embeddings()``'s: with tied
-embeddings it *is* the input embedding's Parameter, so the weight gradient lands on the embedding as it would through
-the model's own head.  The transforms it knows:
-
-- a constant logit multiplier (``logit_scale``): Cohere's ``logit_scale`` (multiplies), Granite's ``logits_scaling``
-  (divides), Falcon-H1's ``lm_head_multiplier`` (multiplies).  The fused ops fold it exactly into the temperature
-  (logits * c / tau == (hidden @ W^T) / (tau / c)); the teacher multiplies its logits by it;
-- logit soft-capping (Gemma 2's ``final_logit_softcapping``: c * tanh(z / c)): the teacher applies it, the fused path
-  refuses the model (it is not a rescaling);
-- any other head-related multiplier/soft-cap key in the config, and a head that is not a plain linear layer, are
-  refused everywhere rather than computing a different function.
-
+logits = softcap(logit_scale * (hidden @ W^T + b)), W = ``get_output_embeddings().weight`` (tied embeddings: the
+input embedding's Parameter, so gradients land on it as through the model's own head).  Known transforms: a constant
+logit multiplier (Cohere ``logit_scale``, Granite ``logits_scaling`` (divides), Falcon-H1 ``lm_head_multiplier``), which
+the fused ops fold exactly into the temperature (z * c / tau == z / (tau / c)); soft-capping c * tanh(z / c) (Gemma 2
+``final_logit_softcapping``), which the teacher applies and the fused path refuses (not a rescaling).  Any other
+head-related multiplier/soft-cap key, and a head that is not a plain linear layer, are refused everywhere.
 ``check_lm_head`` compares the model's own logits with the fused head's on a few tokens: run it once at start-up.
 """
 
@@ -38,10 +29,8 @@ _SUSPECT_KEY = re.compile(r"^(final_)?(logit|logits|output|lm_head)_.*(scal|cap|
 
 @dataclass(frozen=True)
 class LMHead:
-    """A causal LM's output head as data: logits = softcap(logit_scale * (hidden @ weight.T + bias)).
-
-    weight ``[V, H]``, bias ``[V]`` or None; ``logit_scale`` > 0 (1 for most models); ``softcap`` c: apply
-    c * tanh(z / c) last (None: off).  ``model``: the config class name, for messages."""
+    """A causal LM's output head: weight ``[V, H]``, bias ``[V]`` or None, logit_scale > 0, softcap c or None (off);
+    ``model``: the config class name, for messages."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None

@@ -1,10 +1,8 @@
 """The three loss back-ends behind one interface, and the one place that picks one: ``select_backend``.
 
-| back-end         | student                                                        | ops from            |
-|------------------|----------------------------------------------------------------|---------------------|
-| ``plain``        | logits ``[..., V]``                                            | ``opdistill.ops``      |
-| ``vocab-parallel`` | this rank's logits shard ``[..., V/tp]`` over ``vocab_group``, or a DTensor sharded on V | ``opdistill.parallel`` |
-| ``fused``        | ``StudentHidden`` (hidden states + lm_head; with ``vocab_group``: this rank's weight rows) | ``opdistill.fused``    |
+    plain            logits [..., V]                                                       opdistill.ops
+    vocab-parallel   this rank's logits shard [..., V/tp] over vocab_group, or a DTensor   opdistill.parallel
+    fused            StudentHidden: hidden states + lm_head (vocab_group: this rank's rows) opdistill.fused
 
 Every op takes the student first and returns what the plain op returns for the same logits (per token):
 
@@ -84,42 +82,36 @@ def vocab_parallel_backend(group=None, vocab_size: int | None = None) -> Backend
 
 
 # -- hidden states x lm_head: fused --------------------------------------------------------------------------------
+def _on_hidden(op, group):
+    """``op(hidden, weight, *args, bias=, group=, temperature=)`` as an op on a ``StudentHidden``, the lm_head's logit
+    multiplier folded into the temperature."""
+    return lambda s, *args, temperature, **kw: op(s.hidden, s.weight, *args, bias=s.bias, group=group,
+                                                  temperature=s.temperature(temperature), **kw)
+
+
+def _fused_jsd(s: StudentHidden, t: TeacherHidden, keep, *, beta, temperature, group):
+    if group is not None:
+        raise ValueError(
+            "loss_mode='full' with a vocabulary-sharded StudentHidden (vocab_group set) is not supported by the fused "
+            "JSD; pass the sharded logits instead (the vocab-parallel back-end)"
+        )
+    if t.hidden.shape[:-1] != keep.shape[:-1]:
+        raise ValueError(f"TeacherHidden.hidden must have shape {tuple(keep.shape[:-1]) + ('H',)}, got {tuple(t.hidden.shape)}")
+    if s.logit_scale != t.logit_scale:
+        raise ValueError(
+            f"StudentHidden.logit_scale={s.logit_scale} and TeacherHidden.logit_scale={t.logit_scale} differ; the "
+            "fused JSD applies one temperature to both sides"
+        )
+    return fused_generalized_jsd(torch.where(keep, s.hidden, 0.0), s.weight, torch.where(keep, t.hidden, 0.0),
+                                 t.weight, beta=beta, temperature=s.temperature(temperature), student_bias=s.bias)
+
+
 def fused_backend(group=None) -> Backend:
     """A ``StudentHidden`` student; ``group``: the process group its weight (and bias) rows are sharded over,
-    contiguous and in rank order (None: the whole vocabulary is here).  The lm_head's logit multiplier is folded
-    into the temperature (``StudentHidden.temperature``)."""
-
-    def topk(s: StudentHidden, ids, lp, *, temperature, **kw):
-        return fused_topk_divergence(s.hidden, s.weight, ids, lp, bias=s.bias, group=group,
-                                     temperature=s.temperature(temperature), **kw)
-
-    def weighted_topk(s: StudentHidden, ids, lp, weights, *, temperature, **kw):
-        return fused_topk_loss(s.hidden, s.weight, ids, lp, weights, bias=s.bias, group=group,
-                               temperature=s.temperature(temperature), **kw)
-
-    def logprobs(s: StudentHidden, ids, *, temperature):
-        return fused_token_logprobs(s.hidden, s.weight, ids, bias=s.bias, group=group,
-                                    temperature=s.temperature(temperature))
-
-    def jsd(s: StudentHidden, t: TeacherHidden, keep, *, beta, temperature):
-        if group is not None:
-            raise ValueError(
-                "loss_mode='full' with a vocabulary-sharded StudentHidden (vocab_group set) is not supported by the "
-                "fused JSD; pass the sharded logits instead (the vocab-parallel back-end)"
-            )
-        if t.hidden.shape[:-1] != keep.shape[:-1]:
-            raise ValueError(
-                f"TeacherHidden.hidden must have shape {tuple(keep.shape[:-1]) + ('H',)}, got {tuple(t.hidden.shape)}"
-            )
-        if s.logit_scale != t.logit_scale:
-            raise ValueError(
-                f"StudentHidden.logit_scale={s.logit_scale} and TeacherHidden.logit_scale={t.logit_scale} differ; "
-                "the fused JSD applies one temperature to both sides"
-            )
-        return fused_generalized_jsd(torch.where(keep, s.hidden, 0.0), s.weight, torch.where(keep, t.hidden, 0.0),
-                                     t.weight, beta=beta, temperature=s.temperature(temperature), student_bias=s.bias)
-
-    return Backend("fused", lambda s: s.hidden.shape[:-1], topk, logprobs, jsd, TeacherHidden, weighted_topk)
+    contiguous and in rank order (None: the whole vocabulary is here)."""
+    return Backend("fused", lambda s: s.hidden.shape[:-1], _on_hidden(fused_topk_divergence, group),
+                   _on_hidden(fused_token_logprobs, group), functools.partial(_fused_jsd, group=group), TeacherHidden,
+                   _on_hidden(fused_topk_loss, group))
 
 
 # -- the one dispatch ----------------------------------------------------------------------------------------------
