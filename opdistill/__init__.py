@@ -1,7 +1,8 @@
 """opdistill: exact, memory-lean on-policy distillation of language models.
 
-Layers (each imports only the ones above it in this list): ``ops`` (per-token math) -> ``batch``/``metrics``
-(aggregation over one optimizer step) -> ``loss`` (config, update rule) -> parallel/fused variants -> trainer.
+Layers (each imports only the ones before it in this list; docs/architecture.md): ``ops`` (per-token math) ->
+``batch``/``metrics`` (aggregation over one optimizer step) and the ``parallel``/``fused`` variants of the ops ->
+``loss`` (teacher signals, config, the back-end dispatch, the loss) -> models/data/rollout/teacher -> ``train``.
 """
 
 from .fused import StudentHidden, TeacherHidden

@@ -263,3 +263,39 @@ def test_vocab_parallel_agrees_with_reference(vp_verdicts, case, masking, dtype_
 
 def test_dtensor_logits_select_the_vocab_parallel_backend(vp_verdicts):
     assert vp_verdicts["dtensor"] == ["vocab-parallel"] * WORLD
+
+
+# -- the dispatch itself ---------------------------------------------------------------------------------------------
+def test_one_dispatch_picks_the_backend_from_the_student_and_the_layout():
+    from opdistill.loss import select_backend
+
+    z, sh = torch.randn(2, 3, V), StudentHidden(torch.randn(2, 3, H), torch.randn(V, H))
+    assert select_backend(z).name == "plain"
+    assert select_backend(z, vocab_size=V).name == "vocab-parallel"  # padded shards on one rank
+    assert select_backend(sh).name == "fused" and select_backend(sh).weighted_topk is not None
+    assert select_backend(z).weighted_topk is None
+    assert DistillationLoss(DistillationConfig(), vocab_size=V).backend(z).name == "vocab-parallel"
+
+
+def test_dispatch_refusals():
+    from opdistill.loss import select_backend
+
+    sh = StudentHidden(torch.randn(2, 3, H), torch.randn(V, H))
+    with pytest.raises(TypeError, match=r"^student must be logits \(a torch.Tensor or DTensor\) or a StudentHidden, "
+                                        r"got list$"):
+        select_backend([1.0])
+    with pytest.raises(ValueError, match=r"^vocab_size=11 describes padded logit shards; a StudentHidden's vocabulary "
+                                         r"is its weight's rows \(over vocab_group\): drop vocab_size$"):
+        select_backend(sh, vocab_size=V)
+    with pytest.raises(ValueError, match=r"^vocab_size must be an int >= 1 or None, got 0$"):
+        DistillationLoss(DistillationConfig(), vocab_size=0)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    loss_fn = DistillationLoss(DistillationConfig(loss_mode="full"), vocab_group=object())  # refused before any use
+    with pytest.raises(ValueError, match=r"^loss_mode='full' with a vocabulary-sharded StudentHidden \(vocab_group "
+                                         r"set\) is not supported by the fused JSD"):
+        loss_fn(sh, TeacherHidden(torch.randn(2, 3, H), torch.randn(V, H)), mask, GlobalBatch.from_masks(mask))
+    with pytest.raises(ValueError, match=r"^sampled_ids must have the shape of mask \(2, 3\), got \(2,\)$"):
+        DistillationLoss(DistillationConfig(use_policy_gradient=True))(
+            torch.randn(2, 3, V), TeacherTopK(torch.arange(K).expand(2, 3, K), torch.full((2, 3, K), -2.0)),
+            mask, GlobalBatch.from_masks(mask), sampled_ids=torch.zeros(2, dtype=torch.long),
+            old_logprobs=torch.zeros(2, 3))
