@@ -6,17 +6,5 @@ from .config import LOSS_MODES, DistillationConfig
 from .distillation import DistillationLoss, policy_gradient_loss
 from .signals import TeacherLogits, TeacherSampled, TeacherTopK
 
-__all__ = [
-    "LOSS_MODES",
-    "PLAIN",
-    "Backend",
-    "DistillationConfig",
-    "DistillationLoss",
-    "TeacherLogits",
-    "TeacherSampled",
-    "TeacherTopK",
-    "fused_backend",
-    "policy_gradient_loss",
-    "select_backend",
-    "vocab_parallel_backend",
-]
+__all__ = ["LOSS_MODES", "PLAIN", "Backend", "DistillationConfig", "DistillationLoss", "TeacherLogits", "TeacherSampled",
+           "TeacherTopK", "fused_backend", "policy_gradient_loss", "select_backend", "vocab_parallel_backend"]

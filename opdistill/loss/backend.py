@@ -23,14 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..fused import (
-    StudentHidden,
-    TeacherHidden,
-    fused_generalized_jsd,
-    fused_token_logprobs,
-    fused_topk_divergence,
-    fused_topk_loss,
-)
+from ..fused import (StudentHidden, TeacherHidden, fused_generalized_jsd, fused_token_logprobs, fused_topk_divergence,
+                     fused_topk_loss)
 from ..ops import generalized_jsd, token_logprobs, topk_divergence
 from ..ops.checks import check_float
 from ..parallel import vocab_parallel_generalized_jsd, vocab_parallel_token_logprobs, vocab_parallel_topk_divergence

@@ -25,21 +25,11 @@ from .config import DistillationConfig
 from .signals import SIGNAL_FOR_MODE, TeacherLogits, TeacherSampled, TeacherTopK
 
 
-def policy_gradient_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    batch: GlobalBatch,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    cu_seqlens: torch.Tensor | None = None,
-    group=None,
-    prefix: str = "policy/",
-) -> tuple[torch.Tensor, MetricSums]:
+def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, batch: GlobalBatch, *, loss_agg_mode: str = "token-mean",
+                         clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                         cu_seqlens: torch.Tensor | None = None, group=None,
+                         prefix: str = "policy/") -> tuple[torch.Tensor, MetricSums]:
     """Aggregated PPO-clip loss for task rewards (e.g. GRPO advantages), with exact metrics.
 
     Masked positions are zeroed before the surrogate so garbage there cannot reach a gradient.
@@ -86,19 +76,10 @@ class DistillationLoss:
         """The back-end this loss runs ``student`` on (``select_backend``)."""
         return select_backend(student, vocab_group=self.vocab_group, vocab_size=self.vocab_size)
 
-    def __call__(
-        self,
-        student,
-        teacher: TeacherTopK | TeacherSampled | TeacherLogits,
-        mask: torch.Tensor,
-        batch: GlobalBatch,
-        *,
-        sampled_ids: torch.Tensor | None = None,
-        old_logprobs: torch.Tensor | None = None,
-        task_advantages: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        group=None,
-    ) -> tuple[torch.Tensor, MetricSums]:
+    def __call__(self, student, teacher: TeacherTopK | TeacherSampled | TeacherLogits, mask: torch.Tensor,
+                 batch: GlobalBatch, *, sampled_ids: torch.Tensor | None = None,
+                 old_logprobs: torch.Tensor | None = None, task_advantages: torch.Tensor | None = None,
+                 cu_seqlens: torch.Tensor | None = None, group=None) -> tuple[torch.Tensor, MetricSums]:
         """Return ``(loss, metrics)`` for one micro-batch.
 
         student: logits ``[..., V]`` (or this rank's vocabulary shard, see ``__init__``), or a ``StudentHidden``
