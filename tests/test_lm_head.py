@@ -62,6 +62,16 @@ def test_unknown_head_transform_refused_by_teacher_and_fused_path():
         causal_lm_hidden(model, torch.zeros(1, 3, dtype=torch.long))
 
 
+def test_unknown_teacher_head_refused_at_load():
+    from opdistill.models import char_tokenizer, check_compatible
+
+    tok = char_tokenizer("abcdefgh")
+    student, teacher = tiny("LlamaForCausalLM", "LlamaConfig"), tiny("LlamaForCausalLM", "LlamaConfig")
+    teacher.config.output_logits_multiplier = 2.0
+    with pytest.raises(ValueError, match=r"LlamaConfig.output_logits_multiplier=2.0 looks like a transform"):
+        check_compatible(tok, tok, student, teacher)
+
+
 def test_bad_multiplier_and_wrapped_head_refused():
     model = tiny("GraniteForCausalLM", "GraniteConfig", logits_scaling=4.0)
     model.config.logits_scaling = 0.0
