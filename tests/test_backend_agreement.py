@@ -142,7 +142,8 @@ def run_code(case: Case, d: dict, student, *, tp_group=None, vocab_size=None, te
     return loss, metrics.reduce(group=dp_group)
 
 
-def run_reference(case: Case, d: dict, z64: torch.Tensor):
+def run_reference(case: Case, d: dict, z64: torch.Tensor, teacher_logits=None):
+    """The reference on the values the code saw (``teacher_logits``: the full teacher's logits, default th tw^T)."""
     cfg = case.cfg
     if case.rl:
         keys = ("temperature", "loss_agg_mode", "loss_scale_factor", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
@@ -154,7 +155,7 @@ def run_reference(case: Case, d: dict, z64: torch.Tensor):
     elif mode == "sampled":
         teacher = d["t_sampled"]
     else:
-        teacher = d["th"].double() @ d["tw"].double().T
+        teacher = d["th"].double() @ d["tw"].double().T if teacher_logits is None else teacher_logits.double()
     return R.distillation_reference(z64, d["mask"], teacher, **cfg, sampled_ids=d["sampled"],
                                     old_logprobs=d["old"], advantages=d["adv"])
 
@@ -191,7 +192,7 @@ def check_row(backend: str, case: Case, masking: str, dtype_name: str, *, rank=0
         z = student_logits(d)
         tz = (d["th"] @ d["tw"].T).to(z.dtype)
         if backend == "plain":
-            x, t = z.clone().requires_grad_(True), tz
+            x = z.clone().requires_grad_(True)
             loss, metrics = run_code(case, d, x, teacher_logits=torch.where(d["mask"][..., None], tz, float("nan")))
         else:  # vocab-parallel: this rank's padded shard [..., Vl], garbage in the padding columns
             vl = -(-V // WORLD)
@@ -201,7 +202,7 @@ def check_row(backend: str, case: Case, masking: str, dtype_name: str, *, rank=0
             loss, metrics = run_code(case, d, x, tp_group=tp_group, vocab_size=V, teacher_logits=t, dp_group=dp_group)
         (gx,) = grads(loss, [x])
         z64 = z.double().requires_grad_(True)
-        ref, ref_metrics = run_reference(case, d, z64)
+        ref, ref_metrics = run_reference(case, d, z64, teacher_logits=tz)
         (gz,) = grads(ref, [z64])
         if backend == "vocab-parallel":
             start, width = rank * vl, max(0, min(vl, V - rank * vl))
