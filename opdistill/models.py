@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from opdistill.fused import read_lm_head
+
 __all__ = [
     "IncompatibleModelsError",
     "load_model",
@@ -112,7 +114,7 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
         )
     if student_model is not None and teacher_model is not None:
         s_out = student_model.get_output_embeddings().weight.shape[0]
-        t_out = teacher_model.get_output_embeddings().weight.shape[0]
+        t_out = read_lm_head(teacher_model).weight.shape[0]  # the teacher's scoring head: unknown transforms refused now
         if s_out != t_out:
             problems.append(f"output vocabulary width differs: student lm_head has {s_out} rows, teacher {t_out}")
         if s_out < len(student_tokenizer):

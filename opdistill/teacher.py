@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from opdistill import TeacherTopK
+from opdistill.fused import backbone_of, read_lm_head
 
 __all__ = ["TeacherScores", "score_teacher", "save_cache", "load_cache"]
 
@@ -30,35 +31,21 @@ class TeacherScores:
     sampled_logprobs: torch.Tensor | None  # [B, S] fp32, teacher log-prob of token t+1
 
 
-def _head_fn(model):
-    """The output layer as a function of hidden states, with the logit transforms some models apply."""
-    head = model.get_output_embeddings()
-    cfg = model.config
-    if getattr(cfg, "logit_scale", None) not in (None, 1.0):
-        raise ValueError(f"teacher: models with logit_scale={cfg.logit_scale} are not supported by chunked scoring")
-    cap = getattr(cfg, "final_logit_softcapping", None)
-
-    def fn(h):
-        z = head(h).float()
-        if cap:
-            z = cap * torch.tanh(z / cap)
-        return z
-
-    return fn
-
-
 @torch.no_grad()
 def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int | None = None,
                   sampled_ids: torch.Tensor | None = None, row_chunk: int = 64, token_chunk: int = 2048) -> TeacherScores:
-    """Teacher top-k (``k``) and/or sampled-token (``sampled_ids`` [B, S], usually the next-token targets) log-probs."""
+    """Teacher top-k (``k``) and/or sampled-token (``sampled_ids`` [B, S], usually the next-token targets) log-probs.
+
+    The logits are the model's own, transform included (``opdistill.fused.read_lm_head``: Cohere/Granite/Falcon-H1
+    logit multipliers, Gemma 2 soft-capping); a head the reader does not know is refused."""
     if k is None and sampled_ids is None:
         raise ValueError("score_teacher: ask for top-k (k=...) or sampled-token scores (sampled_ids=...), or both")
     B, S = input_ids.shape
-    V = teacher.get_output_embeddings().weight.shape[0]
+    head = read_lm_head(teacher)
+    V = head.weight.shape[0]
     if k is not None and not 1 <= k <= V:
         raise ValueError(f"k: expected 1 <= k <= vocab size {V}, got {k}")
-    backbone = getattr(teacher, teacher.base_model_prefix)
-    head = _head_fn(teacher)
+    backbone = backbone_of(teacher)
     dev = teacher.device
     top_ids = torch.zeros(B, S, k, dtype=torch.long) if k else None
     top_lp = torch.zeros(B, S, k, dtype=torch.float32) if k else None
@@ -73,7 +60,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             b = hidden.shape[0]
             flat = hidden.reshape(b * S, -1)
             for t0 in range(0, b * S, token_chunk):
-                z = head(flat[t0 : t0 + token_chunk])  # [c, V] fp32: the only vocab-wide buffer
+                z = head.logits(flat[t0 : t0 + token_chunk])  # [c, V] fp32: the only vocab-wide buffer
                 lse = torch.logsumexp(z, dim=-1, keepdim=True)
                 rows = torch.arange(t0, t0 + z.shape[0])
                 bi, si = r0 + rows // S, rows % S

@@ -7,7 +7,6 @@ gradient shard equal to the matching slice of the single-device gradient (zero o
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -227,8 +226,8 @@ def check_unequal_widths(rank: int, world: int) -> None:
 
 
 def check_distillation_loss(rank: int, world: int, group) -> None:
-    """DistillationLoss with the vocab-parallel back-ends equals the default one on ragged padded/packed batches:
-    top-k supervised, top-k policy gradient (token_logprobs_fn), full-vocabulary JSD (jsd_fn)."""
+    """DistillationLoss(vocab_group=, vocab_size=) (the vocab-parallel back-end) equals the plain one on ragged
+    padded/packed batches: top-k supervised, top-k policy gradient (token log-probs), full-vocabulary JSD."""
     V = world * 6 - 3
     Vl = -(-V // world)
     x, ids, lp = topk_case(11, (4, 7), V, Vl, world, torch.float64, duplicates=False)
@@ -239,10 +238,6 @@ def check_distillation_loss(rank: int, world: int, group) -> None:
     lengths = torch.tensor([7, 2, 5, 0])  # uneven, one empty sequence
     mask = torch.arange(7)[None, :] < lengths[:, None]
     dp = [dist.new_group([r]) for r in range(world)][rank]  # pure tensor parallelism: data-parallel size 1
-    bind = dict(group=group, vocab_size=V)
-    backends = dict(topk_fn=functools.partial(vocab_parallel_topk_divergence, **bind),
-                    token_logprobs_fn=functools.partial(vocab_parallel_token_logprobs, **bind),
-                    jsd_fn=functools.partial(vocab_parallel_generalized_jsd, **bind))
     configs = [
         DistillationConfig(support="tail", divergence="reverse", loss_agg_mode="seq-mean-token-mean"),
         DistillationConfig(support="renormalized", divergence="jsd", beta=0.3, use_policy_gradient=True),
@@ -261,7 +256,7 @@ def check_distillation_loss(rank: int, world: int, group) -> None:
             t_ref = t_par = TeacherTopK(sel(ids), sel(lp))
         kw = dict(cu_seqlens=cu, sampled_ids=sel(sampled), old_logprobs=sel(old)) if cfg.use_policy_gradient else dict(cu_seqlens=cu)
         lr, mr = DistillationLoss(cfg)(xr, t_ref, m, batch, **kw)
-        lg, mg = DistillationLoss(cfg, **backends)(xl, t_par, m, batch, **kw)
+        lg, mg = DistillationLoss(cfg, vocab_group=group, vocab_size=V)(xl, t_par, m, batch, **kw)
         lr.backward()
         lg.backward()
         what = f"DistillationLoss {cfg.loss_mode} pg={cfg.use_policy_gradient} packed={packed}"

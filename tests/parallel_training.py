@@ -16,7 +16,6 @@ import torch.distributed as dist
 from opdistill.batch import GlobalBatch
 from opdistill.loss import DistillationConfig, DistillationLoss, TeacherTopK
 from opdistill.metrics import MetricSums
-from opdistill.parallel import vocab_parallel_topk_divergence
 
 from .parallel_op_checks import (
     K,
@@ -189,8 +188,9 @@ def ranks4(rank: int, world: int, out_dir: str) -> None:
             dist.all_reduce(g, group=dp_group)
             g.div_(2)
 
-    # The logits are a DTensor sharded on the vocab: the vocab-parallel op takes the tp group from its mesh.
-    loss_fn = DistillationLoss(DistillationConfig(**TRAIN_CFG), topk_fn=vocab_parallel_topk_divergence)
+    # The logits are a DTensor sharded on the vocab: DistillationLoss picks the vocab-parallel back-end, whose ops
+    # take the tp group from the mesh.
+    loss_fn = DistillationLoss(DistillationConfig(**TRAIN_CFG))
     history = train(model, _my_micro_batches(mesh["dp"].get_local_rank(), 2), packed=False, group=dp_group,
                     loss_fn=loss_fn, sync_grads=sync_grads)
     params = full_params(model)

@@ -181,3 +181,86 @@ def aggregate_reference(loss, mask, mode, *, loss_scale_factor=None):
     if mode == "seq-mean-token-sum-norm":
         return torch.stack([torch.stack(r).sum() for r in nonempty]).sum() / (len(nonempty) * loss_scale_factor)
     raise ValueError(mode)
+
+
+# --- the whole loss (SPEC 3.4 + 4), composed from the definitions above ------------------------------------------
+def _masked_mean(x, mask):
+    vals = [v for v, m in zip(x.reshape(-1), mask.reshape(-1)) if bool(m)]
+    return float(torch.stack(vals).mean()) if vals else 0.0
+
+
+def distillation_reference(z, mask, teacher, *, loss_mode="topk", support="tail", divergence="forward", beta=0.5,
+                           topk=None, estimator="k3", use_policy_gradient=False, clip_ratio_low=0.2,
+                           clip_ratio_high=0.2, clip_ratio_c=3.0, loss_max_clamp=None, log_prob_min_clamp=None,
+                           loss_agg_mode="token-mean", loss_scale_factor=None, temperature=1.0,
+                           use_task_rewards=False, distillation_coef=1.0, sampled_ids=None, old_logprobs=None,
+                           advantages=None):
+    """One padded micro-batch [B, S] that is the whole step (D = 1), from SPEC 3 and 4: returns (objective, metrics).
+
+    z [B, S, V] student logits (float64, differentiable); the keyword arguments are a DistillationConfig's fields;
+    teacher: (ids [B, S, K], log-probs [B, S, K]) for topk, log-probs [B, S] of ``sampled_ids`` for sampled, teacher
+    logits [B, S, V] for full.  Only positions with mask 1 are read.  Metrics are the global values by name.
+    """
+    tau = temperature
+    valid = [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if bool(mask[b, s])]
+    zero = z.sum() * 0
+
+    def per_position(fn):
+        vals = {p: fn(*p) for p in valid}
+        return torch.stack([vals.get((b, s), zero) for b in range(mask.shape[0])
+                            for s in range(mask.shape[1])]).reshape(mask.shape)
+
+    def logp(b, s, i):
+        return F.log_softmax(z[b, s] / tau, dim=-1)[int(i)]
+
+    if loss_mode == "topk":
+        ids, lp = teacher
+        per = per_position(lambda b, s: topk_row(z[b, s], ids[b, s], lp[b, s], support, divergence, beta,
+                                                 log_prob_min_clamp, tau))
+    elif loss_mode == "sampled":
+        per = per_position(lambda b, s: verl_kl_penalty(logp(b, s, sampled_ids[b, s]), teacher[b, s].double(),
+                                                        estimator))
+    else:
+        per = per_position(lambda b, s: trl_generalized_jsd(z[b, s], teacher[b, s].double(), beta, tau))
+    clamped = per.clamp(-loss_max_clamp, loss_max_clamp) if loss_max_clamp is not None else per
+    agg = dict(loss_scale_factor=loss_scale_factor)
+    ppo = dict(lo=clip_ratio_low, hi=clip_ratio_high, c=clip_ratio_c)
+    metrics = {"distillation/divergence": _masked_mean(clamped.detach(), mask)}
+    metrics["distillation/loss_min"] = min((float(per.detach()[p]) for p in valid), default=0.0)
+    metrics["distillation/loss_max"] = max((float(per.detach()[p]) for p in valid), default=0.0)
+    if use_policy_gradient or use_task_rewards:
+        logp_y = per_position(lambda b, s: logp(b, s, sampled_ids[b, s]))
+    if use_policy_gradient:
+        pg = ppo_reference(logp_y, old_logprobs.double(), -clamped.detach(), **ppo)
+        distill = aggregate_reference(pg, mask, loss_agg_mode, **agg)
+        metrics["distillation/pg_loss"] = float(distill.detach())
+    else:
+        distill = aggregate_reference(clamped, mask, loss_agg_mode, **agg)
+    metrics["distillation/loss"] = float(distill.detach())
+    if loss_mode == "topk":
+        q, p, count, adv = diagnostics_reference(z.detach(), ids, lp, log_prob_min_clamp, tau)
+        n = len(valid)
+        metrics["distillation/student_mass"] = _masked_mean(q, mask)
+        metrics["distillation/teacher_mass"] = _masked_mean(p, mask)
+        metrics["distillation/overlap_ratio"] = float(count[mask.bool()].sum()) / (ids.shape[-1] * n) if n else 0.0
+        metrics["distillation/overlap_token_advantage"] = _masked_mean(adv, mask.bool() & (count > 0))
+    if loss_mode == "sampled":
+        metrics["distillation/abs_loss"] = _masked_mean(per.detach().abs(), mask)
+    if not use_task_rewards:
+        return distill, metrics
+    task = aggregate_reference(ppo_reference(logp_y, old_logprobs.double(), advantages.double(), **ppo), mask,
+                               loss_agg_mode, **agg)
+    total = task + distillation_coef * distill
+    metrics["task/loss"], metrics["loss/total"] = float(task.detach()), float(total.detach())
+    return total, metrics
+
+
+def policy_reference(z, mask, sampled_ids, old_logprobs, advantages, *, temperature=1.0, loss_agg_mode="token-mean",
+                     loss_scale_factor=None, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0):
+    """The task-reward policy loss alone (the trainer's RL method): aggregate(PPO-clip(log pi(y) at tau, old, A))."""
+    logp = F.log_softmax(z.double() / temperature, dim=-1).gather(-1, sampled_ids[..., None])[..., 0]
+    keep = mask.bool()
+    pg = ppo_reference(torch.where(keep, logp, 0.0), torch.where(keep, old_logprobs.double(), 0.0),
+                       torch.where(keep, advantages.double(), 0.0), clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    loss = aggregate_reference(pg, mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
+    return loss, {"policy/loss": float(loss.detach())}

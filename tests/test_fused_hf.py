@@ -29,6 +29,8 @@ MODELS = [
     ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=True)),
     ("CohereForCausalLM", "CohereConfig", dict(logit_scale=0.25)),
     ("GraniteForCausalLM", "GraniteConfig", dict(logits_scaling=4.0)),
+    ("FalconH1ForCausalLM", "FalconH1Config", dict(lm_head_multiplier=3.0, mamba_d_ssm=16, mamba_n_heads=2,
+                                                   mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)),
 ]
 
 

@@ -60,8 +60,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     g_res = torch.autograd.grad((s * wts).sum() + e.sum(), (hs, ws))
     _close(g_res[0], g_ref[0], "token grad hidden")
     _close(g_res[1], g_ref[1][rows], "token grad weight shard")
-    # DistillationLoss with a vocabulary-sharded StudentHidden == with the full logits (supervised top-k takes
-    # the forward-gradient path; policy gradient takes the recompute path plus fused token log-probs)
+    # DistillationLoss(vocab_group=) with a vocabulary-sharded StudentHidden == with the full logits (supervised
+    # top-k takes the forward-gradient path; policy gradient takes the recompute path plus fused token log-probs)
     from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, TeacherTopK
     from opdistill.fused import StudentHidden
 
@@ -73,14 +73,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     old = -torch.rand(1, N, generator=g) * 3
     for cfg in (DistillationConfig(loss_mode="topk", support="tail", divergence="reverse", loss_max_clamp=0.5),
                 DistillationConfig(loss_mode="topk", support="tail", use_policy_gradient=True)):
-        loss_fn = DistillationLoss(cfg)
         hf, wf, bf = (x.clone().requires_grad_(True) for x in (h, w, b))
-        l_ref, m_ref = loss_fn(torch.nn.functional.linear(hf, wf, bf)[None], t1, mask, batch,
+        l_ref, m_ref = DistillationLoss(cfg)(torch.nn.functional.linear(hf, wf, bf)[None], t1, mask, batch,
                                sampled_ids=sampled[None], old_logprobs=old, group=dp)
         g_ref = torch.autograd.grad(l_ref, (hf, wf, bf))
         hs, ws, bs = h.clone().requires_grad_(True), w[rows].clone().requires_grad_(True), b[rows].clone().requires_grad_(True)
-        student = StudentHidden(hs[None], ws, bs, vocab_group=dist.group.WORLD)
-        l_res, m_res = loss_fn(student, t1, mask, batch, sampled_ids=sampled[None], old_logprobs=old, group=dp)
+        student = StudentHidden(hs[None], ws, bs)
+        l_res, m_res = DistillationLoss(cfg, vocab_group=dist.group.WORLD)(student, t1, mask, batch, sampled_ids=sampled[None], old_logprobs=old, group=dp)
         g_res = torch.autograd.grad(l_res, (hs, ws, bs))
         _close(l_res, l_ref, "DistillationLoss loss")
         _close(g_res[0], g_ref[0], "DistillationLoss grad hidden")

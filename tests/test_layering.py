@@ -9,6 +9,9 @@ import opdistill
 LAYERS = [
     ["opdistill.ops"],
     ["opdistill.batch", "opdistill.metrics", "opdistill.parallel", "opdistill.fused"],
+    ["opdistill.loss.signals", "opdistill.loss.config"],  # the loss package, bottom-up
+    ["opdistill.loss.backend"],
+    ["opdistill.loss.distillation"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
     ["opdistill.models", "opdistill.data", "opdistill.rollout", "opdistill.teacher"],
     ["opdistill.train"],

@@ -2,7 +2,7 @@
 logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages), gradients for hidden, weight and bias."""
 
 from ._chunks import default_chunk_size
-from .hf import causal_lm_hidden, check_lm_head, lm_head_of
+from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of, read_lm_head
 from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
@@ -10,8 +10,10 @@ from .topk import fused_topk_divergence
 from .weighted import fused_topk_loss
 
 __all__ = [
+    "LMHead",
     "StudentHidden",
     "TeacherHidden",
+    "backbone_of",
     "causal_lm_hidden",
     "check_lm_head",
     "default_chunk_size",
@@ -20,4 +22,5 @@ __all__ = [
     "fused_topk_divergence",
     "fused_topk_loss",
     "lm_head_of",
+    "read_lm_head",
 ]

@@ -1,18 +1,12 @@
-"""transformers integration: run a causal LM's backbone, hand its final hidden states and lm_head to the fused ops.
+"""transformers integration: the ONE reader of a causal LM's lm_head (``read_lm_head``: the teacher, the fused path
+and the trainer all read heads through it), and the backbone run that feeds the fused ops (``causal_lm_hidden``).
 
-    student = causal_lm_hidden(model, input_ids, attention_mask=mask)     # StudentHidden, no [B, S, V] logits
-    res = fused_topk_divergence(student.hidden, student.weight, ids, lp, bias=student.bias,
-                                temperature=student.temperature(tau))
-
-The lm_head is ``model.get_output_embeddings()``: with tied embeddings it *is* the input embedding's Parameter, so the
-weight gradient lands on the embedding as it would through the model's own head.  A head that does more than a
-linear map cannot be fused silently:
-
-- a constant logit multiplier is folded exactly into the temperature (logits * c / tau == logits / (tau / c)):
-  Cohere's ``logit_scale`` (multiplies), Granite's ``logits_scaling`` (divides), Falcon-H1's ``lm_head_multiplier``;
-- logit soft-capping (Gemma 2's ``final_logit_softcapping``) is not a rescaling, so the model is refused, and so is
-  any other head-related multiplier/soft-cap key in the config that this module does not know.
-
+logits = softcap(logit_scale * (hidden @ W^T + b)), W = ``get_output_embeddings().weight`` (tied embeddings: the
+input embedding's Parameter, so gradients land on it as through the model's own head).  Known transforms: a constant
+logit multiplier (Cohere ``logit_scale``, Granite ``logits_scaling`` (divides), Falcon-H1 ``lm_head_multiplier``), which
+the fused ops fold exactly into the temperature (z * c / tau == z / (tau / c)); soft-capping c * tanh(z / c) (Gemma 2
+``final_logit_softcapping``), which the teacher applies and the fused path refuses (not a rescaling).  Any other
+head-related multiplier/soft-cap key, and a head that is not a plain linear layer, are refused everywhere.
 ``check_lm_head`` compares the model's own logits with the fused head's on a few tokens: run it once at start-up.
 """
 
@@ -20,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -27,55 +22,85 @@ from .inputs import StudentHidden
 
 # config key -> how the model applies it to the logits
 _LOGIT_MULTIPLIERS = {"logit_scale": "multiply", "logits_scaling": "divide", "lm_head_multiplier": "multiply"}
-_SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "output_softcapping")
+_SOFTCAP_KEY = "final_logit_softcapping"
 # other keys that look like they act on the head's output: refused unless neutral
 _SUSPECT_KEY = re.compile(r"^(final_)?(logit|logits|output|lm_head)_.*(scal|cap|mult)")
 
 
-def lm_head_logit_scale(config) -> float:
-    """The constant the model's head multiplies its logits by; raises for soft-capping or unknown head transforms."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    name = type(cfg).__name__
-    for key in _SOFTCAP_KEYS:
-        if getattr(cfg, key, None) is not None:
-            raise ValueError(
-                f"{name}.{key}={getattr(cfg, key)!r}: the model soft-caps its logits (c * tanh(z / c)), which the fused "
-                "lm_head path does not implement; use the unfused path (model logits) for this model"
-            )
-    scale = 1.0
-    for key, how in _LOGIT_MULTIPLIERS.items():
-        v = getattr(cfg, key, None)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name}.{key}={v!r}: expected a finite positive logit multiplier")
-        scale = scale * v if how == "multiply" else scale / v
-    for key, v in cfg.to_dict().items():
-        if key in _LOGIT_MULTIPLIERS or key in _SOFTCAP_KEYS or not _SUSPECT_KEY.match(key):
-            continue
-        if v not in (None, 1, 1.0, False):
-            raise ValueError(
-                f"{name}.{key}={v!r} looks like a transform of the lm_head output that the fused path does not know; "
-                "refusing rather than computing a different loss. Use the unfused path, or extend "
-                "opdistill.fused.hf._LOGIT_MULTIPLIERS if it is a plain logit multiplier"
-            )
-    return float(scale)
+@dataclass(frozen=True)
+class LMHead:
+    """A causal LM's output head: weight ``[V, H]``, bias ``[V]`` or None, logit_scale > 0, softcap c or None (off);
+    ``model``: the config class name, for messages."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    logit_scale: float
+    softcap: float | None
+    model: str
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> fp32 ``[..., V]``, the model's own logits (the matmul in the weight's dtype, as the model)."""
+        z = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
+        if self.logit_scale != 1.0:
+            z = z * self.logit_scale
+        if self.softcap is not None:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z
 
 
-def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """(weight [V, H], bias [V] or None, logit_scale) of a transformers causal LM's output head."""
+def _positive(name: str, key: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}.{key}={v!r}: expected a finite positive number")
+    return float(v)
+
+
+def read_lm_head(model) -> LMHead:
+    """The lm_head of a transformers causal LM with the transform its config applies to the logits (see the module
+    docstring); raises TypeError for a head that is not a plain linear layer, ValueError for an unknown transform."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"{type(model).__name__} has no output embedding (lm_head) with a weight; is it a causal LM?")
     if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA- or quantisation-wrapped head
         raise TypeError(
-            f"{type(model).__name__}'s lm_head is a {type(head).__name__}, not a plain linear layer; the fused path "
-            "would compute a different function"
+            f"{type(model).__name__}'s lm_head is a {type(head).__name__}, not a plain linear layer; reading its "
+            "weight would compute a different function"
         )
-    return head.weight, head.bias, lm_head_logit_scale(model.config)
+    config = model.config
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(cfg).__name__
+    scale = 1.0
+    for key, how in _LOGIT_MULTIPLIERS.items():
+        if getattr(cfg, key, None) is not None:
+            v = _positive(name, key, getattr(cfg, key))
+            scale = scale * v if how == "multiply" else scale / v
+    cap = getattr(cfg, _SOFTCAP_KEY, None)
+    cap = None if cap is None else _positive(name, _SOFTCAP_KEY, cap)
+    for key, v in cfg.to_dict().items():
+        if key in _LOGIT_MULTIPLIERS or key == _SOFTCAP_KEY or not _SUSPECT_KEY.match(key):
+            continue
+        if v not in (None, 1, 1.0, False):
+            raise ValueError(
+                f"{name}.{key}={v!r} looks like a transform of the lm_head output that opdistill does not know; "
+                "refusing rather than computing a different loss. Extend opdistill.fused.hf._LOGIT_MULTIPLIERS if "
+                "it is a plain logit multiplier"
+            )
+    return LMHead(head.weight, head.bias, float(scale), cap, name)
 
 
-def _backbone(model):
+def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(weight [V, H], bias [V] or None, logit_scale) of the head ``read_lm_head`` reads, for the fused ops (which
+    fold the multiplier into the temperature); raises for soft-capping, which is not a rescaling."""
+    head = read_lm_head(model)
+    if head.softcap is not None:
+        raise ValueError(
+            f"{head.model}.{_SOFTCAP_KEY}={head.softcap!r}: the model soft-caps its logits (c * tanh(z / c)), which "
+            "the fused lm_head path does not implement; use the unfused path (model logits) for this model"
+        )
+    return head.weight, head.bias, head.logit_scale
+
+
+def backbone_of(model):
+    """The module that returns a causal LM's final hidden states (``get_decoder()``, else ``base_model_prefix``)."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     if dec is None or dec is model:
         dec = getattr(model, getattr(model, "base_model_prefix", "model"), None)
@@ -89,10 +114,10 @@ def causal_lm_hidden(model, input_ids=None, attention_mask=None, **kwargs) -> St
 
     ``hidden[:, t]`` predicts token t+1, exactly as ``model(...).logits[:, t]`` does.  Extra keyword arguments
     (``position_ids``, ``inputs_embeds``, ...) go to the backbone.  Raises for heads that are not a plain linear
-    map up to a constant logit multiplier (see the module docstring).
+    map up to a constant logit multiplier (``lm_head_of``).
     """
     weight, bias, scale = lm_head_of(model)
-    out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    out = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return StudentHidden(hidden, weight, bias, scale)
 

@@ -1,13 +1,12 @@
 """Input types that stand in for logits when the loss is fused with the lm_head: ``StudentHidden``, ``TeacherHidden``.
 
-``DistillationLoss`` dispatches on them: passing a ``StudentHidden`` where logits would go selects the fused path.
+Passing a ``StudentHidden`` where logits would go selects the fused back-end (``opdistill.loss.select_backend``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -21,15 +20,13 @@ class StudentHidden:
 
     hidden ``[..., H]`` (after the model's final norm), weight ``[V, H]``, bias ``[V]`` or None; ``logit_scale`` is a
     constant the model multiplies its logits by (1 for most models), folded into the temperature by ``temperature``.
-    ``vocab_group``: the tensor-parallel process group when ``weight``/``bias`` are this rank's contiguous vocabulary
-    shard (ranks in order), None when they hold the whole vocabulary.
+    ``weight``/``bias`` may be this rank's contiguous vocabulary shard: say so with ``DistillationLoss(vocab_group=)``.
     """
 
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     logit_scale: float = 1.0
-    vocab_group: Any = None
 
     def __post_init__(self):
         check_linear_inputs(self.hidden, self.weight, self.bias, hidden_name="StudentHidden.hidden",

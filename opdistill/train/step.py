@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
-                       shift_for_next_token, token_logprobs)
-from opdistill.fused import StudentHidden, causal_lm_hidden, fused_token_logprobs
+                       shift_for_next_token)
+from opdistill.fused import causal_lm_hidden
+from opdistill.loss import select_backend
 
 __all__ = ["StepData", "token_budget_split", "group_advantages", "train_step"]
 
@@ -59,30 +60,24 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1
     return adv
 
 
-def _micro_loss(method, loss_fn: DistillationLoss | None, logits, data: StepData, rows, L, targets, mask, batch,
+def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepData, rows, L, targets, mask, batch,
                 pg_kwargs):
-    """``logits`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer)."""
+    """``student`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer);
+    ``select_backend`` picks the ops for either, here and inside ``DistillationLoss``."""
     idx = torch.tensor(rows)
-    fused = isinstance(logits, StudentHidden)
     tgt = targets[idx, :L]
     m = mask[idx, :L]
     old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
     if method == "rl":
-        if fused:
-            lp = fused_token_logprobs(logits.hidden, logits.weight, tgt, bias=logits.bias,
-                                      temperature=logits.temperature(1.0))
-        else:
-            lp = token_logprobs(logits, tgt)
+        lp = select_backend(student).token_logprobs(student, tgt, temperature=1.0)
         return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
     cfg = loss_fn.config
     if cfg.loss_mode == "topk":
         teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L])
-        student = logits
     elif cfg.loss_mode == "sampled":
         teacher = TeacherSampled(data.teacher_sampled[idx, :L])
-        # a StudentHidden goes in as is: DistillationLoss takes the sampled token's log-prob from sampled_ids
-        student = logits if fused else token_logprobs(logits, tgt, temperature=cfg.temperature)
+        student = loss_fn.backend(student).token_logprobs(student, tgt, temperature=cfg.temperature)
     else:
         raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
     return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv)
@@ -111,14 +106,13 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with autocast:
             if fused_lm_head:
-                logits = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
-                                          attention_mask=data.attention_mask[idx, :L])
+                student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
+                                           attention_mask=data.attention_mask[idx, :L])
             else:
-                logits = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
-        if not fused_lm_head and logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()  # bf16 autocast: the losses upcast, do it once here
-        loss, metrics = _micro_loss(method, loss_fn, logits, data, rows, L, targets, mask, batch,
-                                    pg_kwargs or {})
+                student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
+        if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
+            student = student.float()  # bf16 autocast: the losses upcast, do it once here
+        loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs or {})
         loss.backward()
         loss_sum = loss_sum + loss.detach().float()
         sums.merge(metrics)
