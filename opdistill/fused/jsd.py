@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_temperature, check_unit_interval
+from ..ops.checks import check_finite_rows, check_temperature, check_unit_interval
 from ..ops.jsd import jsd_from_logprobs
 from ._chunks import (
     MIN_CHUNK_ROWS,
@@ -34,22 +34,29 @@ def _chunk_logprobs(h, w, b, temperature):
 
 
 class FusedJSD(torch.autograd.Function):
+    """-> (per-token JSD [N], bad [N, 2]: the student / teacher row holds a NaN log-prob, i.e. a non-finite
+    log-sum-exp; non-differentiable, for ``validate``)."""
+
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, beta, temperature, chunk_size):
         N = hs.shape[0]
         loss = torch.empty(N, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32, device=hs.device)
+        bad = torch.empty((N, 2), dtype=torch.bool, device=hs.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
                 t = _chunk_logprobs(ht[a:b], wt, None, temperature)
-                loss[a:b] = jsd_from_logprobs(_chunk_logprobs(hs[a:b], ws, bs, temperature), t, beta)
-                del t
+                s = _chunk_logprobs(hs[a:b], ws, bs, temperature)
+                loss[a:b] = jsd_from_logprobs(s, t, beta)
+                bad[a:b, 0], bad[a:b, 1] = torch.isnan(s).any(-1), torch.isnan(t).any(-1)
+                del s, t
         ctx.save_for_backward(hs, ws, bs, ht, wt)
         ctx.cfg = (beta, temperature, chunk_size)
-        return loss
+        ctx.mark_non_differentiable(bad)
+        return loss, bad
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_bad):
         hs, ws, bs, ht, wt = ctx.saved_tensors
         beta, temperature, chunk_size = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -89,6 +96,7 @@ def fused_generalized_jsd(
     temperature: float = 1.0,
     student_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta, temperature)``
     per token, without a ``[N, V]`` buffer.
@@ -99,6 +107,8 @@ def fused_generalized_jsd(
         beta: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), TRL's mixture in between.
         temperature: divides both logits.  student_bias: ``[V]`` lm_head bias or None (differentiable).
         chunk_size: tokens per chunk (None: automatic).
+        validate: refuse a row whose student (``student_hidden``) or teacher (``teacher_hidden``) logits are not
+            finite, naming the first such position; False skips this check.  No mask: zero masked rows first.
     Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
     """
     Vs = check_linear_inputs(student_hidden, student_weight, student_bias, hidden_name="student_hidden",
@@ -134,5 +144,9 @@ def fused_generalized_jsd(
         rows = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]),
                                   upcast=needs_upcast(hs, student_weight))
         chunk_size = max(1, min(hs.shape[0], max(rows // 4, MIN_CHUNK_ROWS)))
-    loss = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
+    loss, bad = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature),
+                               int(chunk_size))
+    if validate:
+        check_finite_rows(bad[:, 0].reshape(lead), "student_hidden")
+        check_finite_rows(bad[:, 1].reshape(lead), "teacher_hidden")
     return loss.reshape(lead)

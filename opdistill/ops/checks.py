@@ -203,3 +203,16 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> torch.Tensor:
         bad = mask[(mask != 0) & (mask != 1)].flatten()[:4].tolist()
         raise ValueError(f"{name} must contain only 0 and 1 (a response mask, not weights), got values like {bad}")
     return mask != 0
+
+
+def check_finite_rows(bad: torch.Tensor, name: str) -> None:
+    """Raise if any entry of ``bad`` (bool, the leading shape of ``name``) is set: that position of ``name`` holds a
+    non-finite value where it counts.  The callers derive ``bad`` from values they compute anyway (a row's
+    log-sum-exp is NaN or +inf exactly when the row holds a NaN or +inf, or no finite entry), so the check costs one
+    reduction over ``[...]`` and one device-to-host sync; ``validate=False`` skips it."""
+    if bad.numel() and bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"{name} is not finite at position {pos} (a NaN or +inf, or no finite value in the row) where the loss "
+            "reads it; look for NaN weights or fp16 overflow, or mask that position (validate=False skips this check)"
+        )
