@@ -29,6 +29,7 @@ from .ops.jsd import generalized_jsd
 from .ops.policy import check_clip_ratios, ppo_clip_loss
 from .ops.sampled import ESTIMATORS, canonical_estimator, sampled_token_kl, token_logprobs
 from .ops.topk import topk_divergence
+from .parallel.shard import zero_masked_rows
 from .fused import (
     StudentHidden,
     TeacherHidden,
@@ -298,6 +299,8 @@ class DistillationLoss:
         if m.shape != lead:
             raise ValueError(f"mask must have shape {tuple(lead)} (the token dims of student), got {tuple(m.shape)}")
         needs_logprob = cfg.use_policy_gradient or cfg.use_task_rewards
+        if fused:  # masked positions may hold anything (padding, NaN): zeroed, nothing there reaches a gradient
+            student = dataclasses.replace(student, hidden=torch.where(m.unsqueeze(-1), student.hidden, 0.0))
         if needs_logprob and old_logprobs is None:
             raise ValueError("old_logprobs is required when use_policy_gradient or use_task_rewards is on")
         if cfg.use_task_rewards and task_advantages is None:
@@ -336,7 +339,7 @@ class DistillationLoss:
                     logprob = self._fused_logprobs(student, sampled_ids, m)
                 else:
                     safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
-                    logprob = self.token_logprobs_fn(student, safe_ids, temperature=cfg.temperature)
+                    logprob = self.token_logprobs_fn(zero_masked_rows(student, m), safe_ids, temperature=cfg.temperature)
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:

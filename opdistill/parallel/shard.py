@@ -175,3 +175,14 @@ def row_chunks(rows: int, width: int):
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     for lo in range(0, rows, step):
         yield slice(lo, min(rows, lo + step))
+
+
+def zero_masked_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``where(keep[..., None], x, 0)`` for logits ``[..., V]`` or a DTensor sharded on its last dim (applied to the
+    local shard): what a masked position holds (padding garbage, NaN) then reaches no value and no gradient."""
+    if _is_dtensor(x):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.where(keep.unsqueeze(-1), x.to_local(), 0.0)
+        return DTensor.from_local(local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    return torch.where(keep.unsqueeze(-1), x, 0.0)
