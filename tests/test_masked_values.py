@@ -225,3 +225,20 @@ def test_nan_at_a_valid_position_is_refused_through_distillation_loss():
     z[1, 2, 4] = float("nan")
     with pytest.raises(ValueError, match=message("student_logits", (1, 2))):
         DistillationLoss(DistillationConfig(support="tail"))(z, TeacherTopK(ids, lp), mask, GlobalBatch.from_masks(mask))
+
+
+def test_validate_false_skips_every_value_check_but_not_the_structural_ones():
+    h, w, b, mask, ids, lp = case()
+    z = torch.nn.functional.linear(h, w, b)
+    bad_lp = lp.clone()
+    bad_lp[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="^teacher_logprobs contains NaN$"):
+        topk_divergence(z, ids, bad_lp, support="tail")
+    assert topk_divergence(z, ids, bad_lp, support="tail", validate=False).loss.shape == (B, S)  # not checked
+    with pytest.raises(ValueError, match=r"^teacher_logprobs must have the shape of teacher_ids"):
+        topk_divergence(z, ids, lp[..., :2], support="tail", validate=False)
+    with pytest.raises(ValueError, match=r"^ids must lie in \[0, 13\)"):
+        token_logprobs(z, ids[..., 0] + V)
+    with pytest.raises(ValueError, match="^teacher_logprobs contains NaN$"):
+        sampled_token_kl(torch.zeros(3), torch.tensor([0.0, float("nan"), -1.0]))
+    assert torch.isnan(sampled_token_kl(torch.zeros(3), torch.tensor([0.0, float("nan"), -1.0]), validate=False)[1])

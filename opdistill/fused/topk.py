@@ -55,7 +55,7 @@ def fused_topk_divergence(
     shard = weight_shard(weight, group)
     check_topk_inputs(
         None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
     )
     lead = tuple(hidden.shape[:-1])
     if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:

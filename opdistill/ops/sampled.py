@@ -42,14 +42,15 @@ def token_logprobs(
     """log_softmax(logits / temperature) at ``ids``: ``[..., V]`` x ``[...]`` -> ``[...]`` (fp32; fp64 stays fp64).
 
     ``validate``: refuse a row with a NaN/+inf logit (or no finite logit) with a ``ValueError`` naming the first
-    such position; False skips this value check for hot loops.  The op has no mask: zero masked rows first."""
+    such position; False skips the value checks (this one and ids in range) for hot loops.  The op has no mask: zero masked rows first."""
     V = check_logits(logits, "logits")
     check_int(ids, "ids")
     if tuple(ids.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"ids must have the leading shape of logits {tuple(logits.shape[:-1])}, got {tuple(ids.shape)}"
         )
-    check_ids_in_range(ids, V, "ids")
+    if validate:
+        check_ids_in_range(ids, V, "ids")
     check_temperature(temperature)
     s, lse = student_logprobs_at(logits, ids.long().unsqueeze(-1), temperature)
     if validate:
@@ -79,12 +80,15 @@ def sampled_token_kl(
         student_logprobs: ``[...]`` log pi(y_t) (differentiable; e.g. from ``token_logprobs``).
         teacher_logprobs: ``[...]`` l_t = log nu(y_t); finite and <= 0.
         estimator: k1 | k2 | k3 | abs (aliases kl, mse, low_var_kl).
-        validate: refuse a non-finite student log-prob (``ValueError`` naming the first position); False skips it.
+        validate: refuse a non-finite student log-prob (``ValueError`` naming the first position); False skips the
+            value checks (this one and those of the teacher log-probs).
     Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
     """
     est = canonical_estimator(estimator)
     check_float(student_logprobs, "student_logprobs")
-    check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=False)
+    check_float(teacher_logprobs, "teacher_logprobs")
+    if validate:
+        check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=False)
     check_same_shape(student_logprobs, "student_logprobs", teacher_logprobs, "teacher_logprobs")
     if validate:
         check_finite_rows(~torch.isfinite(student_logprobs), "student_logprobs")

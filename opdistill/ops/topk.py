@@ -205,7 +205,9 @@ def topk_divergence(
         log_prob_min_clamp: truncated only: clamp both log-probs at this floor before the KL (verl).
         temperature: student temperature tau.
         validate: refuse NaN/+inf student logits in a row that has a non-empty slot (``ValueError`` naming the first
-            such position); False skips this value check (one device-to-host sync) for hot loops.  Rows with no
+            such position); False skips every check that reads tensor values (this one and those of the teacher
+            signal: ids in range, log-probs, mass, duplicates; each a device-to-host sync) for hot loops whose
+            inputs are known to be valid.  Rows with no
             non-empty slot (masked) are zeroed either way: their values never reach the loss or a gradient.
 
     ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
@@ -220,6 +222,7 @@ def topk_divergence(
         beta=beta,
         log_prob_min_clamp=log_prob_min_clamp,
         temperature=temperature,
+        validate=validate,
     )
     ids = teacher_ids.long()
     live = (teacher_logprobs > float("-inf")).any(-1)  # [...] rows with a non-empty slot

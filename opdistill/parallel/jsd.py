@@ -1,13 +1,13 @@
 """Vocab-parallel ``generalized_jsd``: student and teacher logits sharded the same way on the vocabulary dim.
 
-The per-column math is ``ops.jsd.jsd_from_logprobs`` applied to each chunk of columns (its sum over the vocabulary
-splits into per-shard sums); only the log-softmax normalisers and the per-token totals cross ranks.
+The per-column math is the one divergence kernel (``ops.divergence``) applied to each chunk of columns (its sum over
+the vocabulary splits into per-shard sums), run by the stages ``lse_and_gather``, ``jsd_totals`` and
+``jsd_logit_grad`` that the fused JSD shares; only the log-softmax normalisers and the per-token totals cross ranks.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ops.checks import (
     check_finite_rows,
@@ -18,9 +18,8 @@ from ..ops.checks import (
     compute_dtype,
 )
 from ..ops.divergence import divergence_grad
-from ..ops.jsd import jsd_from_logprobs
-from .shard import VocabShard, all_reduce_, resolve_shard, row_chunks
-from .stages import lse_and_gather, scaled
+from .shard import VocabShard, resolve_shard
+from .stages import jsd_logit_grad, jsd_totals, lse_and_gather
 
 
 def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
@@ -28,38 +27,22 @@ def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Ten
     return divergence_grad(t, s, "jsd", beta)
 
 
-def _chunk_terms(xs, xt, lse, rows, w, tau, dtype, beta):
-    """(per-token JSD of this chunk's columns [n], a = d(that)/ds [n, w], s [n, w]) via the single-device kernel."""
-    s = scaled(xs[rows, :w], tau, dtype) - lse[rows, 0:1]
-    t = scaled(xt[rows, :w], tau, dtype) - lse[rows, 1:2]
-    return jsd_from_logprobs(s, t, beta), jsd_logprob_grad(s, t, beta), s
-
-
 class VocabParallelGeneralizedJSD(torch.autograd.Function):
     """Per-token generalized JSD between full-vocabulary teacher nu and student pi, both sharded.
 
     Forward (xs, xt = this rank's student / teacher logits [N, Vl], s = log pi, t = log nu, both over z/tau):
         lse_s, lse_t   ``stages.lse_and_gather`` on (xs, xt): all-reduce MAX [N, 2], all-reduce SUM [N, 2]
-        J              = all-reduce SUM over ranks of sum_{j local} phi(s_j, t_j)                   [N]
-        A              = all-reduce SUM of sum_{j local} a_j,  a_j = d phi / d s_j              (same message as J)
-    phi is the summand of ``jsd_from_logprobs`` and a_j its partial in s_j (``ops.divergence.divergence_grad``).
+        J, A           ``stages.jsd_totals``: all-reduce SUM [N, 2] of sum_j phi(s_j, t_j) and sum_j d phi / d s_j
     Backward (grad [N]):
-        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      chunk-wise from the saved logits; no collective
+        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      ``stages.jsd_logit_grad``, from the saved logits; no collective
     The teacher is a constant: its logits get no gradient.  Saved: xs, xt (own dtype), lse [N, 2], A [N].
     Returns (J, lse) with lse non-differentiable (for validation).
     """
 
     @staticmethod
     def forward(ctx, xs, xt, shard: VocabShard, tau: float, beta: float):
-        dtype = compute_dtype(xs.dtype)
-        n, w = xs.shape[0], shard.width
-        lse, _, _ = lse_and_gather(shard, (xs, xt), None, tau, dtype)  # [N, 2]: student, teacher
-        totals = torch.zeros((n, 2), dtype=dtype, device=xs.device)  # [N, 2]: J, A
-        for rows in row_chunks(n, w) if w > 0 else ():
-            val, a, _ = _chunk_terms(xs, xt, lse, rows, w, tau, dtype, beta)
-            totals[rows, 0] = val
-            totals[rows, 1] = a.sum(-1)
-        all_reduce_(totals, dist.ReduceOp.SUM, shard)  # collective 3
+        lse, _, _ = lse_and_gather(shard, (xs, xt), None, tau, compute_dtype(xs.dtype))  # [N, 2]: student, teacher
+        totals = jsd_totals(shard, xs, xt, lse, tau, beta)  # [N, 2]: J, A
         ctx.save_for_backward(xs, xt, lse, totals[:, 1].clone())
         ctx.shard, ctx.tau, ctx.beta = shard, tau, beta
         ctx.mark_non_differentiable(lse)
@@ -68,17 +51,7 @@ class VocabParallelGeneralizedJSD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_lse):
         xs, xt, lse, A = ctx.saved_tensors
-        shard, tau, w = ctx.shard, ctx.tau, ctx.shard.width
-        out = torch.zeros_like(xs)
-        if w > 0:
-            grad = grad.to(lse.dtype)
-            for rows in row_chunks(xs.shape[0], w):
-                _, a, s = _chunk_terms(xs, xt, lse, rows, w, tau, lse.dtype, ctx.beta)
-                g = grad[rows, None] * (a - torch.exp(s) * A[rows, None])  # log-softmax backward, A all-reduced
-                if tau != 1.0:
-                    g = g / tau
-                out[rows, :w] = g.to(xs.dtype)
-        return out, None, None, None, None
+        return jsd_logit_grad(ctx.shard, xs, xt, lse, A, grad, ctx.tau, ctx.beta), None, None, None, None
 
 
 def vocab_parallel_generalized_jsd(

@@ -22,6 +22,11 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
 ``global_topk``  (1 collective) the student's own top-k ids: local top-k, one all_gather of [values | ids], global
   top-k of the P*k candidates.
 
+``jsd_totals`` / ``jsd_logit_grad``  (1 collective / none) the full-vocabulary JSD, student and teacher sharded alike:
+    J = sum_j phi(s_j, t_j),  A = sum_j a_j  (a_j = d phi / d s_j)       one all-reduce SUM of [N, 2]
+    dJ/dz_j = (1/tau) * grad * (a_j - pi_j A)                           (the log-softmax backward; no collective)
+  phi and a are the one kernel of ``ops.divergence`` (endpoint rules included), summed column chunk by chunk.
+
 Padding columns (global id >= vocab_size) are never read: no mass, no top-k candidate, gradient 0.  Rows where
 ``live`` is False (masked positions) are replaced by zeros as they are read, and their g by 0, so whatever they hold
 reaches no value and no gradient.  Each stage walks the rows in chunks of about ``shard.CHUNK_ELEMENTS`` logits, so
@@ -33,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..ops.divergence import divergence, divergence_grad
 from .shard import VocabShard, all_gather_cat, all_reduce_, all_reduce_max_checked, row_chunks
 
 
@@ -161,3 +167,54 @@ def global_topk(shard: VocabShard, x: torch.Tensor, k: int) -> torch.Tensor:
     cand_ids = both[..., k:].permute(1, 0, 2).reshape(n, shard.size * k)
     best = torch.topk(values, k, dim=-1).indices
     return cand_ids.gather(1, best).long()
+
+
+def jsd_totals(
+    shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor, tau: float, beta: float
+) -> torch.Tensor:
+    """(J, A) [N, 2] of the full-vocabulary JSD from student / teacher logits sharded alike, lse [N, 2] from
+    ``lse_and_gather(shard, (xs, xt), None, ...)``.  One all-reduce SUM.
+
+        J = sum_j phi(s_j, t_j)    the per-token divergence (``ops.divergence.divergence``, summed by columns)
+        A = sum_j a_j,             a_j = d phi / d s_j (``ops.divergence.divergence_grad``), for the backward
+    """
+    n, w = xs.shape[0], shard.width
+    totals = torch.zeros((n, 2), dtype=lse.dtype, device=xs.device)
+    for rows in row_chunks(n, w) if w > 0 else ():
+        s = scaled(xs[rows, :w], tau, lse.dtype) - lse[rows, 0:1]
+        t = scaled(xt[rows, :w], tau, lse.dtype) - lse[rows, 1:2]
+        totals[rows, 0] = divergence(t, s, "jsd", beta)
+        totals[rows, 1] = divergence_grad(t, s, "jsd", beta).sum(-1)
+    return all_reduce_(totals, dist.ReduceOp.SUM, shard)
+
+
+def jsd_logit_grad(
+    shard: VocabShard,
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    lse: torch.Tensor,
+    A: torch.Tensor,
+    grad: torch.Tensor,
+    tau: float,
+    beta: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dJ/dxs [N, Vl] for the incoming grad [N]: the log-softmax backward of phi with the all-reduced A,
+
+        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j A),     pi_j = exp(s_j)
+
+    chunk-wise from the saved logits; ``out`` as ``logit_grad`` (``out=xs`` overwrites in place).  No collective.
+    """
+    out = torch.zeros_like(xs) if out is None else out
+    w = shard.width
+    out[:, w:] = 0
+    grad = grad.to(lse.dtype)
+    for rows in row_chunks(xs.shape[0], w) if w > 0 else ():
+        s = scaled(xs[rows, :w], tau, lse.dtype) - lse[rows, 0:1]
+        t = scaled(xt[rows, :w], tau, lse.dtype) - lse[rows, 1:2]
+        g = grad[rows, None] * (divergence_grad(t, s, "jsd", beta) - torch.exp(s) * A[rows, None])
+        if tau != 1.0:
+            g = g / tau
+        out[rows, :w] = g.to(out.dtype)
+    return out

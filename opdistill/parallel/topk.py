@@ -89,7 +89,7 @@ def vocab_parallel_topk_divergence(
     x = shard.local
     check_topk_inputs(
         x, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
     )
     lead, K = tuple(x.shape[:-1]), teacher_ids.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
