@@ -17,8 +17,10 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 
 from ..ops.checks import compute_dtype
+from ..parallel.shard import all_reduce_
 
 # Bytes of one fp32 chunk of logits [chunk, V]; the working set of a chunk is about three of these.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
@@ -160,3 +162,33 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if temperature != 1.0:
         z /= temperature
     return z
+
+
+class LinearGrads:
+    """The gradients of (hidden, weight, bias) of z = h W^T + b, summed from each chunk's dL/dz in fp32 (fp64 for
+    fp64) buffers, so a bf16 weight's gradient is rounded once, not once per chunk:
+
+        grad_hidden[chunk] = dL/dz @ W,    grad_W += dL/dz^T @ hidden[chunk],    grad_b += sum_rows dL/dz
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, needs, dtype):
+        self.inputs = (hidden, weight, bias)
+        self.grads = [torch.zeros(x.shape, dtype=dtype, device=x.device) if need else None
+                      for x, need in zip(self.inputs, needs)]
+
+    def add(self, rows: slice, dz: torch.Tensor) -> None:
+        hidden, weight, _ = self.inputs
+        gh, gw, gb = self.grads
+        if gh is not None:
+            gh[rows] = grad_hidden_mm(dz, weight)
+        if gw is not None:
+            grad_weight_addmm_(gw, dz, hidden[rows], weight.dtype)
+        if gb is not None:
+            gb += dz.sum(0)
+
+    def result(self, shard=None) -> tuple:
+        """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes, None where not needed.  With a vocabulary
+        shard of a group, the hidden gradient is all-reduced: hidden is replicated, each rank's rows give a part."""
+        if self.grads[0] is not None and shard is not None:
+            all_reduce_(self.grads[0], dist.ReduceOp.SUM, shard)
+        return tuple(None if g is None else g.to(x.dtype) for g, x in zip(self.grads, self.inputs))

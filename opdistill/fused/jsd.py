@@ -19,15 +19,7 @@ import torch
 from ..ops.checks import check_finite_rows, check_temperature, check_unit_interval, compute_dtype
 from ..parallel.shard import VocabShard
 from ..parallel.stages import jsd_logit_grad, jsd_totals, lse_and_gather
-from ._chunks import (
-    MIN_CHUNK_ROWS,
-    check_chunk_size,
-    chunk_logits,
-    default_chunk_size,
-    grad_hidden_mm,
-    grad_weight_addmm_,
-    needs_upcast,
-)
+from ._chunks import MIN_CHUNK_ROWS, LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
 from .logprobs import check_linear_inputs
 
 
@@ -56,26 +48,16 @@ class FusedJSD(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_lse):
         hs, ws, bs, ht, wt, lse, A = ctx.saved_tensors
         beta, temperature, chunk_size, shard = ctx.cfg
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cd = lse.dtype
-        grad_h = torch.zeros(hs.shape, dtype=cd, device=hs.device) if need_h else None
-        grad_w = torch.zeros(ws.shape, dtype=cd, device=ws.device) if need_w else None
-        grad_b = torch.zeros(bs.shape, dtype=cd, device=bs.device) if need_b else None
+        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], lse.dtype)
         with torch.no_grad():
             for a in range(0, hs.shape[0], chunk_size):
                 b = min(a + chunk_size, hs.shape[0])
                 zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, None, 1.0)
                 dz = jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], grad_loss[a:b], temperature, beta,
                                     out=zs)  # [c, V] dL/dz_s
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, ws)
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, hs[a:b], ws.dtype)
-                if need_b:
-                    grad_b += dz.sum(0)
+                grads.add(slice(a, b), dz)
                 del zs, zt, dz
-        return (grad_h.to(hs.dtype) if need_h else None, grad_w.to(ws.dtype) if need_w else None,
-                grad_b.to(bs.dtype) if need_b else None, None, None, None, None, None)
+        return grads.result() + (None,) * 5
 
 
 def fused_generalized_jsd(

@@ -25,16 +25,24 @@ under an assumption about the incoming gradient.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ops.checks import check_finite_rows, check_float, check_ids_in_range, check_int, check_temperature, compute_dtype
-from ..parallel.shard import VocabShard, all_reduce_
+from ..parallel.shard import VocabShard
 from ..parallel.stages import global_topk, logit_grad, lse_and_gather
-from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, grad_hidden_mm, grad_weight_addmm_, needs_upcast
+from ._chunks import LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
 
 
 def _rows(live, a, b):
     return None if live is None else live[a:b]
+
+
+def chunk_stages(shard, h, weight, bias, ids, live, temperature, dtype, student_topk=0, entropy=False):
+    """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
+    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None)."""
+    z = chunk_logits(h, weight, bias, 1.0)
+    top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, live=live, entropy=entropy)
+    return z, top, lse[:, 0], z_at - lse, ent
 
 
 class FusedLogprobs(torch.autograd.Function):
@@ -51,16 +59,12 @@ class FusedLogprobs(torch.autograd.Function):
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # [c, V_local] fp32, before the temperature
+                _, t, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], _rows(live, a, b),
+                                                         temperature, cd, student_topk, want_entropy)
                 if student_topk:
-                    top[a:b] = global_topk(shard, z, student_topk)  # top-k of z == top-k of z / tau
-                l, z_at, e = lse_and_gather(shard, (z,), ids[a:b], temperature, cd, live=_rows(live, a, b),
-                                            entropy=want_entropy)
-                lse[a:b] = l[:, 0]
-                s[a:b] = z_at - l
+                    top[a:b] = t
                 if want_entropy:
                     ent[a:b] = e
-                del z
         ctx.save_for_backward(hidden, weight, bias, ids, lse, ent, live)
         ctx.cfg = (temperature, chunk_size, want_entropy, shard)
         ctx.mark_non_differentiable(top, lse)
@@ -70,40 +74,21 @@ class FusedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_s, grad_ent, _grad_top, _grad_lse):
         hidden, weight, bias, ids, lse, ent, live = ctx.saved_tensors
         temperature, chunk_size, want_entropy, shard = ctx.cfg
-        N, cd = hidden.shape[0], lse.dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
-        # fp32 accumulator across chunks (bf16 weights would otherwise round once per chunk)
-        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
         if not want_entropy or grad_ent is None or not bool(grad_ent.any()):
             grad_ent = None
         if grad_s is None:
-            grad_s = torch.zeros(ids.shape, dtype=cd, device=hidden.device)
+            grad_s = torch.zeros(ids.shape, dtype=lse.dtype, device=hidden.device)
         with torch.no_grad():
-            for a in range(0, N, chunk_size):
-                b = min(a + chunk_size, N)
-                h = hidden[a:b]
-                z = chunk_logits(h, weight, bias, 1.0)  # recompute one chunk [c, V_local]
-                dz = logit_grad(shard, z, ids[a:b], lse[a:b], grad_s[a:b].to(cd), temperature, live=_rows(live, a, b),
-                                g_entropy=None if grad_ent is None else grad_ent[a:b].to(cd),
+            for a in range(0, hidden.shape[0], chunk_size):
+                b = min(a + chunk_size, hidden.shape[0])
+                z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # recompute one chunk [c, V_local]
+                dz = logit_grad(shard, z, ids[a:b], lse[a:b], grad_s[a:b].to(lse.dtype), temperature,
+                                live=_rows(live, a, b), g_entropy=None if grad_ent is None else grad_ent[a:b],
                                 entropy=ent[a:b] if grad_ent is not None else None, out=z)  # [c, V_local] dL/dz
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, weight)  # dL/dh = dL/dz @ W
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)  # dL/dW += dL/dz^T @ h
-                if need_b:
-                    grad_b += dz.sum(0)
+                grads.add(slice(a, b), dz)
                 del z, dz
-        if need_h:
-            # hidden is replicated over the group; each rank's shard contributes a partial gradient
-            all_reduce_(grad_h, dist.ReduceOp.SUM, shard)
-        return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
-            None, None, None, None, None, None, None,
-        )
+        return grads.result(shard) + (None,) * 7
 
 
 def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_name="weight", bias_name="bias") -> int:

@@ -17,42 +17,32 @@ anything else (policy gradient on the per-token loss, metrics that are different
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..ops.checks import check_float, check_topk_inputs, compute_dtype
 from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
-from ..parallel.shard import all_reduce_
-from ..parallel.stages import global_topk, logit_grad, lse_and_gather
-from ._chunks import check_chunk_size, chunk_logits, default_chunk_size, grad_hidden_mm, grad_weight_addmm_, needs_upcast
-from .logprobs import check_fused_rows, check_linear_inputs, weight_shard
+from ..parallel.stages import logit_grad
+from ._chunks import LinearGrads, check_chunk_size, default_chunk_size, needs_upcast
+from .logprobs import check_fused_rows, check_linear_inputs, chunk_stages, weight_shard
 
 
 class FusedWeightedLoss(torch.autograd.Function):
     """(hidden [N, H], weight, bias, ids [N, K]) -> (sum_t objective_t, s [N, K], top ids [N, k], lse [N]), the last
-    three detached.  Per chunk: the vocab-sharded stages ``global_topk``, ``lse_and_gather``, then g = d objective / ds
-    and ``logit_grad`` in place in the chunk buffer, then the gradient GEMMs (see the module docstring)."""
+    three detached.  Per chunk: the vocab-sharded stages (``chunk_stages``), then g = d objective / ds and
+    ``logit_grad`` in place in the chunk buffer, then the gradient GEMMs (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, shard, live, objective, temperature, chunk_size, student_topk):
         N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], cd)
         s_all = torch.empty(ids.shape, dtype=cd, device=hidden.device)
         lse_all = torch.empty(N, dtype=cd, device=hidden.device)
         top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         total = torch.zeros((), dtype=cd, device=hidden.device)
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
-            h, lv = hidden[a:b], live[a:b]
             with torch.no_grad():
-                z = chunk_logits(h, weight, bias, 1.0)  # [c, V_local] fp32, before the temperature
-                if student_topk:
-                    top[a:b] = global_topk(shard, z, student_topk)
-                lse, z_at, _ = lse_and_gather(shard, (z,), ids[a:b], temperature, cd, live=lv)
-                lse = lse[:, 0]
-                s = z_at - lse[:, None]
+                z, top[a:b], lse, s, _ = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], live[a:b],
+                                                      temperature, cd, student_topk)
             s_all[a:b], lse_all[a:b] = s, lse
             s = s.requires_grad_(True)
             with torch.enable_grad():
@@ -60,19 +50,10 @@ class FusedWeightedLoss(torch.autograd.Function):
                 (g,) = torch.autograd.grad(obj, s)  # [c, K] d objective / d s
             total += obj.detach()
             with torch.no_grad():
-                dz = logit_grad(shard, z, ids[a:b], lse, g, temperature, live=lv, out=z)  # [c, V_local] dL/dz
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, weight)
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)
-                if need_b:
-                    grad_b += dz.sum(0)
+                dz = logit_grad(shard, z, ids[a:b], lse, g, temperature, live=live[a:b], out=z)  # [c, V_local] dL/dz
+                grads.add(slice(a, b), dz)
             del z, dz
-        if need_h:
-            all_reduce_(grad_h, dist.ReduceOp.SUM, shard)  # hidden is replicated: sum the ranks' partial gradients
-        # keep the gradients in the parameters' dtypes between forward and backward
-        ctx.grads = tuple(None if x is None else x.to(dt) for x, dt in
-                          ((grad_h, hidden.dtype), (grad_w, weight.dtype), (grad_b, None if bias is None else bias.dtype)))
+        ctx.grads = grads.result(shard)  # in the parameters' dtypes between forward and backward
         ctx.mark_non_differentiable(s_all, top, lse_all)
         return total, s_all, top, lse_all
 
