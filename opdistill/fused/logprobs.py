@@ -141,13 +141,11 @@ def check_fused_rows(lse: torch.Tensor, live: torch.Tensor | None, hidden2d: tor
 def fused_logprobs(hidden2d, weight, bias, ids2d, shard, *, live=None, temperature, chunk_size, want_entropy,
                    student_topk):
     """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``, lse
-    ``[N]``).  Rows where ``live`` [N] is False are zeroed in ``hidden`` first, so that they reach no gradient
-    (of the weight either: its gradient sums dL/dz^T h over the rows)."""
+    ``[N]``).  Rows where ``live`` [N] is False get no gradient; the caller zeroes them in ``hidden``
+    (``topk.topk_inputs``), since the weight gradient sums dL/dz^T h over the rows and 0 * NaN is NaN."""
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1],
                                         upcast=needs_upcast(hidden2d, weight))
-    if live is not None:
-        hidden2d = torch.where(live[:, None], hidden2d, 0.0)
     return FusedLogprobs.apply(
         hidden2d, weight, bias, ids2d.long(), shard, live, float(temperature), int(chunk_size), bool(want_entropy),
         int(student_topk),

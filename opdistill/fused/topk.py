@@ -17,6 +17,27 @@ from ._chunks import check_chunk_size
 from .logprobs import check_fused_rows, check_linear_inputs, fused_logprobs, weight_shard
 
 
+def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group, temperature, validate, kw):
+    """Every check of the fused top-k ops, then (shard, lead, hidden [N, H] with the masked rows zeroed, ids [N, K],
+    teacher log-probs [N, K], live [N]: the rows with a non-empty slot; the others reach no gradient)."""
+    check_linear_inputs(hidden, weight, bias)
+    check_chunk_size(chunk_size)
+    shard = weight_shard(weight, group)
+    check_topk_inputs(None, teacher_ids, teacher_logprobs, temperature=temperature, vocab_size=shard.vocab_size,
+                      validate=validate, **kw)
+    lead = tuple(hidden.shape[:-1])
+    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
+            f"got {tuple(teacher_ids.shape)}"
+        )
+    K = teacher_ids.shape[-1]
+    t = teacher_logprobs.reshape(-1, K)
+    live = (t > float("-inf")).any(-1)
+    h2 = torch.where(live[:, None], hidden.reshape(-1, hidden.shape[-1]), 0.0)
+    return shard, lead, h2, teacher_ids.reshape(-1, K).long(), t, live
+
+
 def fused_topk_divergence(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -50,32 +71,15 @@ def fused_topk_divergence(
     accumulated in fp32 and returned in the input dtype.  Returns a ``TopKResult`` of per-token tensors; ``loss``
     is differentiable with respect to hidden, weight and bias.
     """
-    check_linear_inputs(hidden, weight, bias)
-    check_chunk_size(chunk_size)
-    shard = weight_shard(weight, group)
-    check_topk_inputs(
-        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
-    )
-    lead = tuple(hidden.shape[:-1])
-    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
-            f"got {tuple(teacher_ids.shape)}"
-        )
-    K = teacher_ids.shape[-1]
-    ids = teacher_ids.reshape(-1, K).long()
-    t = teacher_logprobs.reshape(-1, K)
-    live = (t > float("-inf")).any(-1)  # [N] rows with a non-empty slot
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    shard, lead, h2, ids, t, live = topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group,
+                                                temperature, validate, kw)
     s, _, student_top, lse = fused_logprobs(
         h2, weight, bias, ids, shard, live=live, temperature=temperature, chunk_size=chunk_size,
-        want_entropy=False, student_topk=K,
+        want_entropy=False, student_topk=ids.shape[1],
     )  # [N, K] log pi(T), [N, K] the student's own top-K ids
     if validate:
         check_fused_rows(lse, live, h2, lead)
     t = t.to(s.dtype)
-    loss = topk_loss_from_logprobs(
-        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
-    )
+    loss = topk_loss_from_logprobs(s, t, **kw)
     return finish_topk(loss, s, t, ids, student_top, log_prob_min_clamp, lead)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_float, check_topk_inputs, compute_dtype
+from ..ops.checks import check_float, compute_dtype
 from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
 from ..parallel.stages import logit_grad
-from ._chunks import LinearGrads, check_chunk_size, default_chunk_size, needs_upcast
-from .logprobs import check_fused_rows, check_linear_inputs, chunk_stages, weight_shard
+from ._chunks import LinearGrads, default_chunk_size, needs_upcast
+from .logprobs import check_fused_rows, chunk_stages
+from .topk import topk_inputs
 
 
 class FusedWeightedLoss(torch.autograd.Function):
@@ -93,34 +94,18 @@ def fused_topk_loss(
     Returns the scalar objective (differentiable w.r.t. hidden, weight, bias; its gradient was computed in the
     forward pass) and the detached per-token results (``loss`` unclamped) for metrics.
     """
-    check_linear_inputs(hidden, weight, bias)
-    check_chunk_size(chunk_size)
-    shard = weight_shard(weight, group)
-    check_topk_inputs(
-        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
-    )
-    lead = tuple(hidden.shape[:-1])
-    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
-            f"got {tuple(teacher_ids.shape)}"
-        )
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    shard, lead, h2, ids, t, live = topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group,
+                                                temperature, validate, kw)
     check_float(token_weights, "token_weights")
     if tuple(token_weights.shape) != lead:
         raise ValueError(f"token_weights must have shape {lead} (the leading dims of hidden), got {tuple(token_weights.shape)}")
     if loss_max_clamp is not None and (isinstance(loss_max_clamp, bool) or not isinstance(loss_max_clamp, (int, float))
                                        or not loss_max_clamp > 0 or loss_max_clamp == float("inf")):
         raise ValueError(f"loss_max_clamp must be a finite number > 0 or None, got {loss_max_clamp!r}")
-    K = teacher_ids.shape[-1]
-    ids = teacher_ids.reshape(-1, K).long()
-    h2 = hidden.reshape(-1, hidden.shape[-1])
     cd = compute_dtype(hidden.dtype)
-    t = teacher_logprobs.reshape(-1, K).to(cd)
-    live = (t > float("-inf")).any(-1)  # [N] rows with a non-empty slot; the others are zeroed and get no gradient
-    h2 = torch.where(live[:, None], h2, 0.0)
-    w = torch.where(live, token_weights.reshape(-1).detach().to(cd), 0.0)
-    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    t = t.to(cd)
+    w = torch.where(live, token_weights.reshape(-1).detach().to(cd), 0.0)  # masked rows: no contribution
 
     def objective(s, a, b):  # per-token contributions of rows [a, b)
         L = topk_loss_from_logprobs(s, t[a:b], **kw)
@@ -134,7 +119,7 @@ def fused_topk_loss(
         h2, weight = h2.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
     total, s, top, lse = FusedWeightedLoss.apply(h2, weight, bias, ids, shard, live, objective, float(temperature),
-                                                 int(chunk_size), K)
+                                                 int(chunk_size), ids.shape[1])
     if validate:
         check_fused_rows(lse, live, h2, lead)
     with torch.no_grad():
