@@ -339,7 +339,8 @@ class DistillationLoss:
                     logprob = self._fused_logprobs(student, sampled_ids, m)
                 else:
                     safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids)) if sampled_ids.shape == m.shape else sampled_ids
-                    logprob = self.token_logprobs_fn(zero_masked_rows(student, m), safe_ids, temperature=cfg.temperature)
+                    logprob = self.token_logprobs_fn(zero_masked_rows(student, m), safe_ids,
+                                                     temperature=cfg.temperature)
         agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_finite_rows, check_logits, check_same_shape, check_temperature, check_unit_interval, compute_dtype
+from .checks import (
+    check_finite_rows,
+    check_logits,
+    check_same_shape,
+    check_temperature,
+    check_unit_interval,
+    compute_dtype,
+)
 from .divergence import divergence
 
 

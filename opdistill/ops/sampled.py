@@ -42,7 +42,8 @@ def token_logprobs(
     """log_softmax(logits / temperature) at ``ids``: ``[..., V]`` x ``[...]`` -> ``[...]`` (fp32; fp64 stays fp64).
 
     ``validate``: refuse a row with a NaN/+inf logit (or no finite logit) with a ``ValueError`` naming the first
-    such position; False skips the value checks (this one and ids in range) for hot loops.  The op has no mask: zero masked rows first."""
+    such position; False skips the value checks (this one and ids in range) for hot loops.  The op has no mask:
+    zero masked rows first."""
     V = check_logits(logits, "logits")
     check_int(ids, "ids")
     if tuple(ids.shape) != tuple(logits.shape[:-1]):

@@ -34,7 +34,7 @@ class VocabParallelGeneralizedJSD(torch.autograd.Function):
         lse_s, lse_t   ``stages.lse_and_gather`` on (xs, xt): all-reduce MAX [N, 2], all-reduce SUM [N, 2]
         J, A           ``stages.jsd_totals``: all-reduce SUM [N, 2] of sum_j phi(s_j, t_j) and sum_j d phi / d s_j
     Backward (grad [N]):
-        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      ``stages.jsd_logit_grad``, from the saved logits; no collective
+        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      ``stages.jsd_logit_grad``, from the saved logits
     The teacher is a constant: its logits get no gradient.  Saved: xs, xt (own dtype), lse [N, 2], A [N].
     Returns (J, lse) with lse non-differentiable (for validation).
     """
