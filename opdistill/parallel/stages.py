@@ -49,6 +49,11 @@ def scaled(x: torch.Tensor, tau: float, dtype: torch.dtype, live: torch.Tensor |
     return z if live is None else torch.where(live[:, None], z, 0.0)
 
 
+def block(x: torch.Tensor, rows: slice, w: int, tau: float, dtype, live: torch.Tensor | None = None) -> torch.Tensor:
+    """One row chunk of this rank's real columns, scaled: ``scaled(x[rows, :w], ...)``."""
+    return scaled(x[rows, :w], tau, dtype, None if live is None else live[rows])
+
+
 def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(owned [N, K] bool, local index [N, K]): ids not in this rank's real columns map to local index 0."""
     owned = (ids >= shard.start) & (ids < shard.start + shard.width)
@@ -77,7 +82,7 @@ def lse_and_gather(
     m = torch.full((n, nx), float("-inf"), dtype=dtype, device=dev)
     for rows in chunks:
         for i, x in enumerate(xs):
-            m[rows, i] = scaled(x[rows, :w], tau, dtype, None if live is None else live[rows]).amax(-1)
+            m[rows, i] = block(x, rows, w, tau, dtype, live).amax(-1)
     m = all_reduce_max_checked(m, shard)  # collective 1: the global max (and the layout check)
     m = torch.where(torch.isfinite(m), m, 0.0)  # rows of -inf only (or NaN): keep exp() finite, as torch.logsumexp
     buf = torch.zeros((n, nx + k + int(entropy)), dtype=dtype, device=dev)  # [N, X + K (+1)]: S, z at ids, T
@@ -87,7 +92,7 @@ def lse_and_gather(
         buf[:, nx : nx + k] = torch.where(owned, picked, 0.0)
     for rows in chunks:
         for i, x in enumerate(xs):
-            d = scaled(x[rows, :w], tau, dtype, None if live is None else live[rows]) - m[rows, i : i + 1]
+            d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
             e = torch.exp(d)
             buf[rows, i] = e.sum(-1)
             if entropy and i == 0:
@@ -130,7 +135,7 @@ def logit_grad(
     g_owned = torch.where(owned, g, 0.0).to(dtype)  # [N, K] other ranks' ids add 0 at local index 0
     g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
     for rows in row_chunks(x.shape[0], w):
-        logp = scaled(x[rows, :w], tau, dtype, None if live is None else live[rows]) - lse[rows, None]  # [n, w]
+        logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
         pi = torch.exp(logp)
         if g_entropy is None:
             grad = (-g_sum[rows]) * pi
@@ -169,6 +174,11 @@ def global_topk(shard: VocabShard, x: torch.Tensor, k: int) -> torch.Tensor:
     return cand_ids.gather(1, best).long()
 
 
+def _log_probs_pair(xs, xt, lse, rows, w, tau):
+    """(s, t) = log pi, log nu on one row chunk of this rank's columns, from the all-reduced lse [N, 2]."""
+    return block(xs, rows, w, tau, lse.dtype) - lse[rows, 0:1], block(xt, rows, w, tau, lse.dtype) - lse[rows, 1:2]
+
+
 def jsd_totals(
     shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor, tau: float, beta: float
 ) -> torch.Tensor:
@@ -181,8 +191,7 @@ def jsd_totals(
     n, w = xs.shape[0], shard.width
     totals = torch.zeros((n, 2), dtype=lse.dtype, device=xs.device)
     for rows in row_chunks(n, w) if w > 0 else ():
-        s = scaled(xs[rows, :w], tau, lse.dtype) - lse[rows, 0:1]
-        t = scaled(xt[rows, :w], tau, lse.dtype) - lse[rows, 1:2]
+        s, t = _log_probs_pair(xs, xt, lse, rows, w, tau)
         totals[rows, 0] = divergence(t, s, "jsd", beta)
         totals[rows, 1] = divergence_grad(t, s, "jsd", beta).sum(-1)
     return all_reduce_(totals, dist.ReduceOp.SUM, shard)
@@ -211,8 +220,7 @@ def jsd_logit_grad(
     out[:, w:] = 0
     grad = grad.to(lse.dtype)
     for rows in row_chunks(xs.shape[0], w) if w > 0 else ():
-        s = scaled(xs[rows, :w], tau, lse.dtype) - lse[rows, 0:1]
-        t = scaled(xt[rows, :w], tau, lse.dtype) - lse[rows, 1:2]
+        s, t = _log_probs_pair(xs, xt, lse, rows, w, tau)
         g = grad[rows, None] * (divergence_grad(t, s, "jsd", beta) - torch.exp(s) * A[rows, None])
         if tau != 1.0:
             g = g / tau
