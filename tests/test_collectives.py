@@ -100,7 +100,25 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         assert rec.take() == ["all_gather_into_tensor"] + ["all_gather", MAX, SUM] * 3 + [SUM]  # gradients in forward
         total.backward()
         assert rec.take() == []
+    _check_zero_masked_rows_dtensor(x)
     dist.barrier()
+
+
+def _check_zero_masked_rows_dtensor(x: torch.Tensor) -> None:
+    """DistillationLoss zeroes masked rows of DTensor logits too (policy gradient with ColwiseParallel logits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from opdistill.parallel.shard import zero_masked_rows
+
+    keep = torch.arange(N) % 3 != 0
+    bad = x.clone()
+    bad[~keep] = float("nan")
+    xd = distribute_tensor(bad, init_device_mesh("cpu", (2,)), [Shard(-1)]).requires_grad_(True)
+    out = zero_masked_rows(xd, keep)
+    assert torch.equal(out.full_tensor(), torch.where(keep[:, None], bad, 0.0))
+    out.full_tensor().sum().backward()
+    assert torch.equal(xd.grad.full_tensor(), keep[:, None].expand(N, V).to(x.dtype))
 
 
 def test_collectives_per_call_two_ranks(tmp_path):
