@@ -1,5 +1,6 @@
 """Fused linear losses: distill from hidden states and the lm_head weight, never holding more than one chunk of
-logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages), gradients for hidden, weight and bias."""
+logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages: each chunk of z = h W^T goes through the
+vocab-sharded stages of ``opdistill.parallel.stages``), gradients for hidden, weight and bias."""
 
 from ._chunks import default_chunk_size
 from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of, read_lm_head

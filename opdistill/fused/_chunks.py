@@ -1,4 +1,4 @@
-"""Chunk kernels shared by every fused op: fp32 logits of one token chunk, its statistics, its logit gradient.
+"""GEMM helpers shared by every fused op: fp32 logits of one token chunk, and the GEMMs of its gradient.
 
 Design: the fused ops loop over chunks of tokens; each chunk holds the full vocabulary row of its tokens (so a
 row's log-sum-exp, gathered values and top-K are complete inside the chunk), never more than one chunk of logits
@@ -6,10 +6,9 @@ at a time.  Every GEMM that produces logits accumulates *and stores* in fp32 (fp
 logits are never rounded to bf16/fp16 before the softmax.  Where the backend has no bf16 x bf16 -> fp32 GEMM
 (PyTorch on CPU), the weight is upcast one vocabulary block at a time, so no fp32 copy of the whole weight exists.
 
-With a process ``group`` the weight is a vocabulary shard ``[V_local, H]`` (rank r owns the contiguous id range
-``[start_r, start_r + V_local)``); per chunk the max, the sum of exponentials, the gathered teacher-id values and
-the entropy sum are all-reduced, and the student top-K is a local top-K, all-gathered, then a global top-K.  A group
-of size 1 (or ``None``) runs no collective.
+The softmax math on a chunk (log-sum-exp, gather, logit gradient, top-K, over a vocabulary that may be sharded over
+a process group) is not here: it is the vocab-sharded stages of ``opdistill.parallel.stages``, which every path
+shares.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.checks import compute_dtype
+from ..parallel.shard import all_reduce_
 
 # Bytes of one fp32 chunk of logits [chunk, V]; the working set of a chunk is about three of these.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
@@ -154,41 +154,6 @@ def grad_weight_addmm_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, wei
     acc.addmm_(dz.t().to(h.dtype).to(acc.dtype), h.to(acc.dtype))
 
 
-class Shard:
-    """Where this rank's weight rows sit in the full vocabulary, and the collectives over ``group``."""
-
-    def __init__(self, weight: torch.Tensor, group) -> None:
-        self.group = group
-        self.local_vocab = weight.shape[0]
-        self.world = 1 if group is None else dist.get_world_size(group)
-        if self.world == 1:
-            self.start, self.vocab = 0, self.local_vocab
-            return
-        sizes = torch.zeros(self.world, dtype=torch.int64, device=weight.device)
-        mine = torch.tensor([self.local_vocab], dtype=torch.int64, device=weight.device)
-        dist.all_gather_into_tensor(sizes, mine, group=group)
-        rank = dist.get_rank(group)
-        self.start = int(sizes[:rank].sum())
-        self.vocab = int(sizes.sum())
-
-    @property
-    def parallel(self) -> bool:
-        return self.world > 1
-
-    def all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
-        if self.parallel:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
-        return x
-
-    def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids shifted into this shard and clamped to it, mask of the ids this rank owns)."""
-        if not self.parallel:
-            return ids, torch.ones_like(ids, dtype=torch.bool)
-        local = ids - self.start
-        owned = (local >= 0) & (local < self.local_vocab)
-        return local.clamp(0, self.local_vocab - 1), owned
-
-
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """z / tau for one chunk, ``[c, V_local]`` in the compute dtype (fp32 for bf16/fp16, never rounded)."""
     z = mm_fp32(h, weight)
@@ -199,74 +164,31 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return z
 
 
-def chunk_logsumexp(z: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """logsumexp over the (possibly sharded) vocabulary, ``[c]``."""
-    if not shard.parallel:
-        return torch.logsumexp(z, dim=-1)
-    m = z.amax(dim=-1)
-    shard.all_reduce(m, dist.ReduceOp.MAX)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    se = torch.exp(z - m.unsqueeze(-1)).sum(-1)
-    shard.all_reduce(se)
-    return torch.log(se) + m
+class LinearGrads:
+    """The gradients of (hidden, weight, bias) of z = h W^T + b, summed from each chunk's dL/dz in fp32 (fp64 for
+    fp64) buffers, so a bf16 weight's gradient is rounded once, not once per chunk:
 
-
-def chunk_gather(z: torch.Tensor, ids: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """z at the (global) ids ``[c, K]``; each id's value comes from the rank that owns it."""
-    local, owned = shard.local_ids(ids)
-    vals = z.gather(1, local)
-    if shard.parallel:
-        vals = shard.all_reduce(torch.where(owned, vals, 0.0))
-    return vals
-
-
-def chunk_topk(z: torch.Tensor, k: int, shard: Shard) -> torch.Tensor:
-    """Global ids of the k largest logits per row ``[c, k]`` (local top-k, all-gathered, then a global top-k)."""
-    vals, idx = torch.topk(z, k=min(k, z.shape[-1]), dim=-1)
-    if not shard.parallel:
-        return idx
-    idx = idx + shard.start
-    if vals.shape[-1] < k:  # a shard smaller than k: pad with -inf candidates that never win
-        pad = k - vals.shape[-1]
-        vals = torch.cat([vals, vals.new_full((vals.shape[0], pad), float("-inf"))], -1)
-        idx = torch.cat([idx, idx.new_zeros((idx.shape[0], pad))], -1)
-    all_vals = [torch.empty_like(vals) for _ in range(shard.world)]
-    all_idx = [torch.empty_like(idx) for _ in range(shard.world)]
-    dist.all_gather(all_vals, vals.contiguous(), group=shard.group)
-    dist.all_gather(all_idx, idx.contiguous(), group=shard.group)
-    vals, idx = torch.cat(all_vals, -1), torch.cat(all_idx, -1)
-    top = torch.topk(vals, k=k, dim=-1).indices
-    return idx.gather(1, top)
-
-
-def chunk_logit_grad(
-    z: torch.Tensor,
-    lse: torch.Tensor,
-    ids: torch.Tensor,
-    grad_s: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    temperature: float,
-    shard: Shard,
-) -> torch.Tensor:
-    """dLoss/dz for one chunk, in place in ``z`` (which holds z / tau on entry).
-
-    With y = z / tau, log pi = y - lse, s_k = log pi(i_k) and entropy E = -sum_j pi_j log pi_j:
-        dL/dy_j = sum_k g_k [i_k = j] - (sum_k g_k) pi_j  -  gE * pi_j (log pi_j + E)
-        dL/dz_j = dL/dy_j / tau
+        grad_hidden[chunk] = dL/dz @ W,    grad_W += dL/dz^T @ hidden[chunk],    grad_b += sum_rows dL/dz
     """
-    logp = z.sub_(lse.unsqueeze(-1))  # [c, V] log pi
-    if grad_entropy is not None:
-        p = logp.exp()
-        # -gE * pi (log pi + E) - (sum g) pi  ==  pi * (-(gE (log pi + E)) - sum g)
-        coef = grad_s.sum(-1, keepdim=True) if grad_s is not None else 0.0
-        dy = logp.add_(entropy.unsqueeze(-1)).mul_(-grad_entropy.unsqueeze(-1)).sub_(coef).mul_(p)
-        del p
-    else:
-        dy = logp.exp_().mul_(-grad_s.sum(-1, keepdim=True))
-    if grad_s is not None:
-        local, owned = shard.local_ids(ids)
-        dy.scatter_add_(1, local, torch.where(owned, grad_s, 0.0).to(dy.dtype))
-    if temperature != 1.0:
-        dy /= temperature
-    return dy
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, needs, dtype):
+        self.inputs = (hidden, weight, bias)
+        self.grads = [torch.zeros(x.shape, dtype=dtype, device=x.device) if need else None
+                      for x, need in zip(self.inputs, needs)]
+
+    def add(self, rows: slice, dz: torch.Tensor) -> None:
+        hidden, weight, _ = self.inputs
+        gh, gw, gb = self.grads
+        if gh is not None:
+            gh[rows] = grad_hidden_mm(dz, weight)
+        if gw is not None:
+            grad_weight_addmm_(gw, dz, hidden[rows], weight.dtype)
+        if gb is not None:
+            gb += dz.sum(0)
+
+    def result(self, shard=None) -> tuple:
+        """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes, None where not needed.  With a vocabulary
+        shard of a group, the hidden gradient is all-reduced: hidden is replicated, each rank's rows give a part."""
+        if self.grads[0] is not None and shard is not None:
+            all_reduce_(self.grads[0], dist.ReduceOp.SUM, shard)
+        return tuple(None if g is None else g.to(x.dtype) for g, x in zip(self.grads, self.inputs))

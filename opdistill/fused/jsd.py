@@ -1,82 +1,63 @@
 """``fused_generalized_jsd``: TRL's generalized JSD from student and teacher hidden states, chunked over tokens.
 
-Per chunk: z_s = h_s W_s^T, z_t = h_t W_t^T (fp32), s = log_softmax(z_s / tau), t = log_softmax(z_t / tau), and the
-per-token divergence is ``ops.jsd.jsd_from_logprobs(s, t, beta)`` -- the unfused op's own stage.  Forward keeps only
-the per-token loss; backward recomputes each chunk and differentiates that chunk through ``jsd_from_logprobs``
-with the incoming per-token gradient, then
+Per chunk: z_s = h_s W_s^T (+ b), z_t = h_t W_t^T (fp32), then the vocab-sharded stages that the vocab-parallel JSD
+runs, on a one-shard ``VocabShard`` (no collective): ``lse_and_gather`` on (z_s, z_t) for both normalisers,
+``jsd_totals`` for J = sum_j phi(s_j, t_j) and A = sum_j d phi / d s_j (the one kernel of ``ops.divergence``).
+Forward keeps per token only J, A and the two lse; backward recomputes each chunk and applies the analytic gradient
+(``jsd_logit_grad``, in place in the chunk buffer), then
 
-    grad_h_s[chunk] = dL/dz_s @ W_s,    grad_W_s += dL/dz_s^T @ h_s[chunk]
+    dL/dz_s = grad * (1/tau) * (a - pi A),   grad_h_s[chunk] = dL/dz_s @ W_s,    grad_W_s += dL/dz_s^T @ h_s[chunk]
 
-so at most one chunk of student and teacher logits (and their autograd buffers) is alive.  The teacher gets no
-gradient (as in TRL, where the teacher runs under no_grad); inputs that require one are refused.
+so at most one chunk of student and teacher logits is alive.  The teacher gets no gradient (as in TRL, where the
+teacher runs under no_grad); inputs that require one are refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_temperature, check_unit_interval
-from ..ops.jsd import jsd_from_logprobs
-from ._chunks import (
-    MIN_CHUNK_ROWS,
-    check_chunk_size,
-    chunk_logits,
-    default_chunk_size,
-    grad_hidden_mm,
-    grad_weight_addmm_,
-    needs_upcast,
-)
+from ..ops.checks import check_finite_rows, check_temperature, check_unit_interval, compute_dtype
+from ..parallel.shard import VocabShard
+from ..parallel.stages import jsd_logit_grad, jsd_totals, lse_and_gather
+from ._chunks import MIN_CHUNK_ROWS, LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
 from .logprobs import check_linear_inputs
 
 
-def _chunk_logprobs(h, w, b, temperature):
-    return torch.log_softmax(chunk_logits(h, w, b, temperature), dim=-1)
-
-
 class FusedJSD(torch.autograd.Function):
+    """-> (per-token JSD [N], lse [N, 2] of the student / teacher logits over tau, non-differentiable)."""
+
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, beta, temperature, chunk_size):
-        N = hs.shape[0]
-        loss = torch.empty(N, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32, device=hs.device)
+        N, cd = hs.shape[0], compute_dtype(hs.dtype)
+        shard = VocabShard.for_rows(ws.shape[0], None, ws.device)  # the whole vocabulary: no collective
+        totals = torch.empty((N, 2), dtype=cd, device=hs.device)  # J, A
+        lse = torch.empty((N, 2), dtype=cd, device=hs.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                t = _chunk_logprobs(ht[a:b], wt, None, temperature)
-                loss[a:b] = jsd_from_logprobs(_chunk_logprobs(hs[a:b], ws, bs, temperature), t, beta)
-                del t
-        ctx.save_for_backward(hs, ws, bs, ht, wt)
-        ctx.cfg = (beta, temperature, chunk_size)
-        return loss
+                zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, None, 1.0)
+                lse[a:b] = lse_and_gather(shard, (zs, zt), None, temperature, cd)[0]
+                totals[a:b] = jsd_totals(shard, zs, zt, lse[a:b], temperature, beta)
+                del zs, zt
+        ctx.save_for_backward(hs, ws, bs, ht, wt, lse, totals[:, 1].clone())
+        ctx.cfg = (beta, temperature, chunk_size, shard)
+        ctx.mark_non_differentiable(lse)
+        return totals[:, 0].clone(), lse
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        hs, ws, bs, ht, wt = ctx.saved_tensors
-        beta, temperature, chunk_size = ctx.cfg
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cd = grad_loss.dtype
-        grad_h = torch.zeros(hs.shape, dtype=cd, device=hs.device) if need_h else None
-        grad_w = torch.zeros(ws.shape, dtype=cd, device=ws.device) if need_w else None
-        grad_b = torch.zeros(bs.shape, dtype=cd, device=bs.device) if need_b else None
-        for a in range(0, hs.shape[0], chunk_size):
-            b = min(a + chunk_size, hs.shape[0])
-            with torch.no_grad():
-                t = _chunk_logprobs(ht[a:b], wt, None, temperature)
-                z = chunk_logits(hs[a:b], ws, bs, 1.0)
-            z.requires_grad_(True)
-            with torch.enable_grad():
-                s = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
-                (dz,) = torch.autograd.grad(jsd_from_logprobs(s, t, beta), z, grad_loss[a:b])  # [c, V] dL/dz_s
-            del s, t, z
-            with torch.no_grad():
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, ws)
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, hs[a:b], ws.dtype)
-                if need_b:
-                    grad_b += dz.sum(0)
-            del dz
-        return (grad_h.to(hs.dtype) if need_h else None, grad_w.to(ws.dtype) if need_w else None,
-                grad_b.to(bs.dtype) if need_b else None, None, None, None, None, None)
+    def backward(ctx, grad_loss, _grad_lse):
+        hs, ws, bs, ht, wt, lse, A = ctx.saved_tensors
+        beta, temperature, chunk_size, shard = ctx.cfg
+        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], lse.dtype)
+        with torch.no_grad():
+            for a in range(0, hs.shape[0], chunk_size):
+                b = min(a + chunk_size, hs.shape[0])
+                zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, None, 1.0)
+                dz = jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], grad_loss[a:b], temperature, beta,
+                                    out=zs)  # [c, V] dL/dz_s
+                grads.add(slice(a, b), dz)
+                del zs, zt, dz
+        return grads.result() + (None,) * 5
 
 
 def fused_generalized_jsd(
@@ -89,6 +70,7 @@ def fused_generalized_jsd(
     temperature: float = 1.0,
     student_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta, temperature)``
     per token, without a ``[N, V]`` buffer.
@@ -99,6 +81,8 @@ def fused_generalized_jsd(
         beta: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), TRL's mixture in between.
         temperature: divides both logits.  student_bias: ``[V]`` lm_head bias or None (differentiable).
         chunk_size: tokens per chunk (None: automatic).
+        validate: refuse a row whose student (``student_hidden``) or teacher (``teacher_hidden``) logits are not
+            finite, naming the first such position; False skips this check.  No mask: zero masked rows first.
     Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
     """
     Vs = check_linear_inputs(student_hidden, student_weight, student_bias, hidden_name="student_hidden",
@@ -129,10 +113,15 @@ def fused_generalized_jsd(
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     if chunk_size is None:
-        # a chunk holds student and teacher logits, their log-softmaxes and the JSD's autograd temporaries
-        # (about four times the buffers of the top-k path): a quarter of the default rows
+        # a chunk holds student and teacher logits (two chunk-sized buffers where the top-k path holds one; the
+        # stages' temporaries are bounded by row chunks): half the default rows
         rows = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]),
                                   upcast=needs_upcast(hs, student_weight))
-        chunk_size = max(1, min(hs.shape[0], max(rows // 4, MIN_CHUNK_ROWS)))
-    loss = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature), int(chunk_size))
+        chunk_size = max(1, min(hs.shape[0], max(rows // 2, MIN_CHUNK_ROWS)))
+    loss, lse = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature),
+                               int(chunk_size))
+    if validate:
+        bad = ~torch.isfinite(lse)
+        check_finite_rows(bad[:, 0].reshape(lead), "student_hidden")
+        check_finite_rows(bad[:, 1].reshape(lead), "teacher_hidden")
     return loss.reshape(lead)

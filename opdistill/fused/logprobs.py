@@ -1,21 +1,23 @@
 """Fused ``log pi(ids)`` from hidden states and the lm_head weight, chunked over tokens (SPEC 5, "Fused linear").
 
-The one autograd Function every fused top-k / sampled-token path goes through:
+The one autograd Function every fused top-k / sampled-token path goes through.  Per chunk of tokens it computes
+z = h W^T + b (fp32 accumulation and storage, ``_chunks.chunk_logits``) and hands it to the vocab-sharded stages of
+``opdistill.parallel.stages`` -- the same code the vocab-parallel ops run on their logit shards:
 
-    z = h W^T + b  (fp32 accumulation and storage),  y = z / tau,  lse = logsumexp(y)
-    s_k = y_{i_k} - lse                                   ``[N, K]``, the stage ``student_logprobs_at`` computes
-    E   = -sum_j pi_j log pi_j                            (optional entropy, ``[N]``)
-    S   = the student's own top-K ids                     (optional, for the overlap metric; not differentiable)
+    lse, s_k = z_{i_k}/tau - lse, E          ``lse_and_gather``     (2 collectives per chunk with a group, else 0)
+    S = the student's own top-K ids          ``global_topk``        (1 collective per chunk with a group; optional)
 
-Everything downstream (``topk_loss_from_logprobs``, masses, estimators, PPO-clip) is plain autograd on ``[N, K]``
-tensors, so one Function serves every support x divergence: the loss reaches the logits only through s (and E).
+so s ``[N, K]`` is exactly what ``student_logprobs_at`` computes, E = -sum_j pi_j log pi_j (optional, ``[N]``).
+Everything downstream (``topk_loss_from_logprobs``, estimators, PPO-clip) is plain autograd on ``[N, K]`` tensors,
+so one Function serves every support x divergence: the loss reaches the logits only through s (and E).
 
 Forward keeps per token only lse and E (``[N]``); backward recomputes each chunk's logits (one extra GEMM per chunk,
-against the naive path's ``[N, V]`` buffers) and applies, per chunk,
+against the naive path's ``[N, V]`` buffers) and applies, per chunk, ``logit_grad`` (in place in the chunk buffer):
 
     dL/dz_j = (1/tau) * (sum_k g_k [i_k = j] - (sum_k g_k) pi_j - gE pi_j (log pi_j + E)),   g = dL/ds, gE = dL/dE
     grad_hidden[chunk] = dL/dz @ W,   grad_W += dL/dz^T @ hidden[chunk],   grad_b += sum_rows dL/dz
 
+and, with a group, one all-reduce of grad_hidden (hidden is replicated; each rank's rows give a partial gradient).
 Exact for any downstream use of s (per-token weights, clamps, policy gradients) because nothing is precomputed
 under an assumption about the incoming gradient.
 """
@@ -24,28 +26,31 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_float, check_ids_in_range, check_int, check_temperature, compute_dtype
-from ._chunks import (
-    Shard,
-    check_chunk_size,
-    chunk_gather,
-    chunk_logit_grad,
-    chunk_logits,
-    chunk_logsumexp,
-    chunk_topk,
-    default_chunk_size,
-    needs_upcast,
-    grad_hidden_mm,
-    grad_weight_addmm_,
-)
+from ..ops.checks import check_finite_rows, check_float, check_ids_in_range, check_int, check_temperature, compute_dtype
+from ..parallel.shard import VocabShard
+from ..parallel.stages import global_topk, logit_grad, lse_and_gather
+from ._chunks import LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
+
+
+def _rows(live, a, b):
+    return None if live is None else live[a:b]
+
+
+def chunk_stages(shard, h, weight, bias, ids, live, temperature, dtype, student_topk=0, entropy=False):
+    """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
+    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None)."""
+    z = chunk_logits(h, weight, bias, 1.0)
+    top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, live=live, entropy=entropy)
+    return z, top, lse[:, 0], z_at - lse, ent
 
 
 class FusedLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], topk ids [N, k])."""
+    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], topk ids [N, k],
+    lse [N]); ``live`` [N] | None marks the rows that count (the others get no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, chunk_size, want_entropy, student_topk, group):
-        shard = Shard(weight, group)
+    def forward(ctx, hidden, weight, bias, ids, shard, live, temperature, chunk_size, want_entropy, student_topk):
         N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
         s = torch.empty(ids.shape, dtype=cd, device=hidden.device)
         lse = torch.empty(N, dtype=cd, device=hidden.device)
@@ -54,64 +59,36 @@ class FusedLogprobs(torch.autograd.Function):
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
+                _, t, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], _rows(live, a, b),
+                                                         temperature, cd, student_topk, want_entropy)
                 if student_topk:
-                    raw = chunk_logits(hidden[a:b], weight, bias, 1.0)
-                    top[a:b] = chunk_topk(raw, student_topk, shard)  # top-k of z == top-k of z / tau
-                    z = raw.div_(temperature) if temperature != 1.0 else raw
-                else:
-                    z = chunk_logits(hidden[a:b], weight, bias, temperature)
-                lse[a:b] = chunk_logsumexp(z, shard)
-                s[a:b] = chunk_gather(z, ids[a:b], shard) - lse[a:b].unsqueeze(-1)
+                    top[a:b] = t
                 if want_entropy:
-                    logp = z.sub_(lse[a:b].unsqueeze(-1))
-                    plogp = shard.all_reduce((logp.exp() * logp).sum(-1))
-                    ent[a:b] = -plogp
-                del z
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
-        ctx.cfg = (temperature, chunk_size, want_entropy, group)
-        ctx.mark_non_differentiable(top)
-        return s, ent, top
+                    ent[a:b] = e
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent, live)
+        ctx.cfg = (temperature, chunk_size, want_entropy, shard)
+        ctx.mark_non_differentiable(top, lse)
+        return s, ent, top, lse
 
     @staticmethod
-    def backward(ctx, grad_s, grad_ent, _grad_top):
-        hidden, weight, bias, ids, lse, ent = ctx.saved_tensors
-        temperature, chunk_size, want_entropy, group = ctx.cfg
-        shard = Shard(weight, group)
-        N, cd = hidden.shape[0], lse.dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
-        # fp32 accumulator across chunks (bf16 weights would otherwise round once per chunk)
-        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+    def backward(ctx, grad_s, grad_ent, _grad_top, _grad_lse):
+        hidden, weight, bias, ids, lse, ent, live = ctx.saved_tensors
+        temperature, chunk_size, want_entropy, shard = ctx.cfg
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
         if not want_entropy or grad_ent is None or not bool(grad_ent.any()):
             grad_ent = None
+        if grad_s is None:
+            grad_s = torch.zeros(ids.shape, dtype=lse.dtype, device=hidden.device)
         with torch.no_grad():
-            for a in range(0, N, chunk_size):
-                b = min(a + chunk_size, N)
-                h = hidden[a:b]
-                z = chunk_logits(h, weight, bias, temperature)  # recompute one chunk [c, V_local]
-                gs = grad_s[a:b].to(cd) if grad_s is not None else None
-                ge = grad_ent[a:b].to(cd) if grad_ent is not None else None
-                if gs is None:
-                    gs = torch.zeros(ids[a:b].shape, dtype=cd, device=z.device)
-                dz = chunk_logit_grad(z, lse[a:b], ids[a:b], gs, ge, ent[a:b] if ge is not None else None,
-                                      temperature, shard)  # [c, V_local] dL/dz
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, weight)  # dL/dh = dL/dz @ W
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)  # dL/dW += dL/dz^T @ h
-                if need_b:
-                    grad_b += dz.sum(0)
+            for a in range(0, hidden.shape[0], chunk_size):
+                b = min(a + chunk_size, hidden.shape[0])
+                z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # recompute one chunk [c, V_local]
+                dz = logit_grad(shard, z, ids[a:b], lse[a:b], grad_s[a:b].to(lse.dtype), temperature,
+                                live=_rows(live, a, b), g_entropy=None if grad_ent is None else grad_ent[a:b],
+                                entropy=ent[a:b] if grad_ent is not None else None, out=z)  # [c, V_local] dL/dz
+                grads.add(slice(a, b), dz)
                 del z, dz
-        if need_h and shard.parallel:
-            # hidden is replicated over the group; each rank's shard contributes a partial gradient
-            shard.all_reduce(grad_h)
-        return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
-            None, None, None, None, None, None,
-        )
+        return grads.result(shard) + (None,) * 7
 
 
 def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_name="weight", bias_name="bias") -> int:
@@ -145,19 +122,33 @@ def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_na
     return weight.shape[0]
 
 
-def vocab_size_of(weight: torch.Tensor, group) -> int:
-    """The full vocabulary: V, or the sum of the shard sizes over ``group``."""
-    return Shard(weight, group).vocab
+def weight_shard(weight: torch.Tensor, group) -> VocabShard:
+    """This rank's vocabulary rows of the lm_head (``VocabShard.for_rows``): one all_gather with a group, none
+    without.  Build it once per call and pass it on."""
+    return VocabShard.for_rows(weight.shape[0], group, weight.device)
 
 
-def fused_logprobs(hidden2d, weight, bias, ids2d, *, temperature, chunk_size, want_entropy, student_topk, group):
-    """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``)."""
+def check_fused_rows(lse: torch.Tensor, live: torch.Tensor | None, hidden2d: torch.Tensor, lead: tuple) -> None:
+    """``validate``: a live row whose log-sum-exp is not finite is refused, naming ``hidden`` when that row of the
+    hidden states is not finite, else the logits (the weight or bias then holds a NaN/inf, or the GEMM overflowed)."""
+    bad = ~torch.isfinite(lse) if live is None else ~torch.isfinite(lse) & live
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        name = "hidden" if not bool(torch.isfinite(hidden2d[row]).all()) else "the logits hidden @ weight.T + bias"
+        check_finite_rows(bad.reshape(lead), name)
+
+
+def fused_logprobs(hidden2d, weight, bias, ids2d, shard, *, live=None, temperature, chunk_size, want_entropy,
+                   student_topk):
+    """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``, lse
+    ``[N]``).  Rows where ``live`` [N] is False get no gradient; the caller zeroes them in ``hidden``
+    (``topk.topk_inputs``), since the weight gradient sums dL/dz^T h over the rows and 0 * NaN is NaN."""
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1],
                                         upcast=needs_upcast(hidden2d, weight))
     return FusedLogprobs.apply(
-        hidden2d, weight, bias, ids2d.long(), float(temperature), int(chunk_size), bool(want_entropy),
-        int(student_topk), group,
+        hidden2d, weight, bias, ids2d.long(), shard, live, float(temperature), int(chunk_size), bool(want_entropy),
+        int(student_topk),
     )
 
 
@@ -171,6 +162,7 @@ def fused_token_logprobs(
     return_entropy: bool = False,
     chunk_size: int | None = None,
     group=None,
+    validate: bool = True,
 ):
     """log_softmax((hidden @ weight.T + bias) / tau) at ``ids``, without a ``[N, V]`` buffer.
 
@@ -182,6 +174,9 @@ def fused_token_logprobs(
             rank's vocabulary shard with ``group``). ids: ``[...]`` sampled token ids.
         bias: ``[V]`` or None. temperature: tau. chunk_size: tokens per chunk (None: ``default_chunk_size``).
         group: process group over which ``weight`` is sharded on the vocabulary dim (None: not sharded).
+        validate: refuse a row whose logits are not finite (``ValueError`` naming ``hidden`` and the first such
+            position); False skips this value check for hot loops.  The op has no mask: zero masked rows of hidden
+            first.
     Returns ``[...]`` log-probs (fp32; fp64 for fp64), or ``(logprobs, entropy)`` with ``return_entropy``.
     """
     check_linear_inputs(hidden, weight, bias)
@@ -192,10 +187,14 @@ def fused_token_logprobs(
     check_chunk_size(chunk_size)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
-    check_ids_in_range(ids, vocab_size_of(weight, group), "ids")
+    shard = weight_shard(weight, group)
+    if validate:
+        check_ids_in_range(ids, shard.vocab_size, "ids")
     lead = tuple(ids.shape)
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    s, ent, _ = fused_logprobs(h2, weight, bias, ids.reshape(-1, 1), temperature=temperature, chunk_size=chunk_size,
-                               want_entropy=return_entropy, student_topk=0, group=group)
+    s, ent, _, lse = fused_logprobs(h2, weight, bias, ids.reshape(-1, 1), shard, temperature=temperature,
+                                    chunk_size=chunk_size, want_entropy=return_entropy, student_topk=0)
+    if validate:
+        check_fused_rows(lse, None, h2, lead)
     s = s.reshape(lead)
     return (s, ent.reshape(lead)) if return_entropy else s

@@ -1,9 +1,10 @@
 """``fused_topk_divergence``: the top-k divergences of ``ops.topk`` from hidden states and the lm_head weight.
 
 The same named stages as ``topk_divergence``, with stage 1 (``student_logprobs_at``) replaced by the chunked
-``FusedLogprobs``: s = log pi(T) ``[N, K]``, plus the student's own top-K ids for the overlap metric.  Stages 2-4
-(``topk_loss_from_logprobs``, ``topk_masses``, ``topk_overlap``) run unchanged on ``[N, K]`` tensors, so every
-support x divergence, the clamps and the diagnostics are the unfused op's by construction.
+``FusedLogprobs`` (the vocab-sharded stages on each chunk of z = h W^T): s = log pi(T) ``[N, K]``, plus the student's
+own top-K ids for the overlap metric.  ``topk_loss_from_logprobs`` and ``finish_topk`` run unchanged on ``[N, K]``
+tensors, so every support x divergence, the clamps and the diagnostics are the unfused op's by construction.
+Masked rows (all K slots empty) are zeroed in hidden before the chunks: they reach no gradient of hidden or weight.
 """
 
 from __future__ import annotations
@@ -11,9 +12,30 @@ from __future__ import annotations
 import torch
 
 from ..ops.checks import check_topk_inputs
-from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
+from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
 from ._chunks import check_chunk_size
-from .logprobs import check_linear_inputs, fused_logprobs, vocab_size_of
+from .logprobs import check_fused_rows, check_linear_inputs, fused_logprobs, weight_shard
+
+
+def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group, temperature, validate, kw):
+    """Every check of the fused top-k ops, then (shard, lead, hidden [N, H] with the masked rows zeroed, ids [N, K],
+    teacher log-probs [N, K], live [N]: the rows with a non-empty slot; the others reach no gradient)."""
+    check_linear_inputs(hidden, weight, bias)
+    check_chunk_size(chunk_size)
+    shard = weight_shard(weight, group)
+    check_topk_inputs(None, teacher_ids, teacher_logprobs, temperature=temperature, vocab_size=shard.vocab_size,
+                      validate=validate, **kw)
+    lead = tuple(hidden.shape[:-1])
+    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
+            f"got {tuple(teacher_ids.shape)}"
+        )
+    K = teacher_ids.shape[-1]
+    t = teacher_logprobs.reshape(-1, K)
+    live = (t > float("-inf")).any(-1)
+    h2 = torch.where(live[:, None], hidden.reshape(-1, hidden.shape[-1]), 0.0)
+    return shard, lead, h2, teacher_ids.reshape(-1, K).long(), t, live
 
 
 def fused_topk_divergence(
@@ -30,6 +52,7 @@ def fused_topk_divergence(
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
     group=None,
+    validate: bool = True,
 ) -> TopKResult:
     """``topk_divergence(hidden @ weight.T + bias, teacher_ids, teacher_logprobs, ...)`` without a ``[N, V]`` buffer.
 
@@ -42,33 +65,21 @@ def fused_topk_divergence(
         chunk_size: tokens per chunk; None picks ``default_chunk_size(N, V, H)`` (about 128 MiB of fp32 logits).
         support, divergence, beta, log_prob_min_clamp, temperature: exactly as ``topk_divergence``.
         group: process group the weight is vocabulary-sharded over (None: the whole vocabulary is here).
+        validate: refuse non-finite logits in a row with a non-empty slot (``ValueError`` naming ``hidden`` and the
+            first such position); False skips this value check for hot loops.
     bf16/fp16 inputs: logits are accumulated and kept in fp32 (never rounded to bf16 first), gradients are
     accumulated in fp32 and returned in the input dtype.  Returns a ``TopKResult`` of per-token tensors; ``loss``
     is differentiable with respect to hidden, weight and bias.
     """
-    check_linear_inputs(hidden, weight, bias)
-    check_chunk_size(chunk_size)
-    check_topk_inputs(
-        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=vocab_size_of(weight, group),
-    )
-    lead = tuple(hidden.shape[:-1])
-    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
-            f"got {tuple(teacher_ids.shape)}"
-        )
-    K = teacher_ids.shape[-1]
-    ids = teacher_ids.reshape(-1, K).long()
-    s, _, student_top = fused_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids, temperature=temperature, chunk_size=chunk_size,
-        want_entropy=False, student_topk=K, group=group,
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    shard, lead, h2, ids, t, live = topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group,
+                                                temperature, validate, kw)
+    s, _, student_top, lse = fused_logprobs(
+        h2, weight, bias, ids, shard, live=live, temperature=temperature, chunk_size=chunk_size,
+        want_entropy=False, student_topk=ids.shape[1],
     )  # [N, K] log pi(T), [N, K] the student's own top-K ids
-    t = teacher_logprobs.reshape(-1, K).to(s.dtype)
-    loss = topk_loss_from_logprobs(
-        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
-    )
-    with torch.no_grad():
-        q, p = topk_masses(s, t)
-        count, advantage = topk_overlap(ids, t, student_top, s, log_prob_min_clamp)
-    return TopKResult(loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead))
+    if validate:
+        check_fused_rows(lse, live, h2, lead)
+    t = t.to(s.dtype)
+    loss = topk_loss_from_logprobs(s, t, **kw)
+    return finish_topk(loss, s, t, ids, student_top, log_prob_min_clamp, lead)

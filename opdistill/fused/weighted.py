@@ -18,78 +18,52 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_float, check_topk_inputs
-from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
-from ._chunks import (
-    Shard,
-    check_chunk_size,
-    chunk_gather,
-    chunk_logit_grad,
-    chunk_logits,
-    chunk_logsumexp,
-    chunk_topk,
-    default_chunk_size,
-    grad_hidden_mm,
-    grad_weight_addmm_,
-    needs_upcast,
-)
-from .logprobs import check_linear_inputs
+from ..ops.checks import check_float, compute_dtype
+from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
+from ..parallel.stages import logit_grad
+from ._chunks import LinearGrads, default_chunk_size, needs_upcast
+from .logprobs import check_fused_rows, chunk_stages
+from .topk import topk_inputs
 
 
 class FusedWeightedLoss(torch.autograd.Function):
-    """(hidden [N, H], weight, bias, ids [N, K]) -> (sum_t objective_t, s [N, K] detached, top ids [N, k])."""
+    """(hidden [N, H], weight, bias, ids [N, K]) -> (sum_t objective_t, s [N, K], top ids [N, k], lse [N]), the last
+    three detached.  Per chunk: the vocab-sharded stages (``chunk_stages``), then g = d objective / ds and
+    ``logit_grad`` in place in the chunk buffer, then the gradient GEMMs (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, objective, temperature, chunk_size, student_topk, group):
-        shard = Shard(weight, group)
-        N, cd = hidden.shape[0], (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=cd, device=bias.device) if need_b else None
+    def forward(ctx, hidden, weight, bias, ids, shard, live, objective, temperature, chunk_size, student_topk):
+        N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], cd)
         s_all = torch.empty(ids.shape, dtype=cd, device=hidden.device)
+        lse_all = torch.empty(N, dtype=cd, device=hidden.device)
         top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         total = torch.zeros((), dtype=cd, device=hidden.device)
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
-            h = hidden[a:b]
             with torch.no_grad():
-                z = chunk_logits(h, weight, bias, 1.0)
-                if student_topk:
-                    top[a:b] = chunk_topk(z, student_topk, shard)
-                if temperature != 1.0:
-                    z /= temperature
-                lse = chunk_logsumexp(z, shard)
-                s = chunk_gather(z, ids[a:b], shard) - lse.unsqueeze(-1)
-            s_all[a:b] = s
+                z, top[a:b], lse, s, _ = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], live[a:b],
+                                                      temperature, cd, student_topk)
+            s_all[a:b], lse_all[a:b] = s, lse
             s = s.requires_grad_(True)
             with torch.enable_grad():
                 obj = objective(s, a, b).sum()
                 (g,) = torch.autograd.grad(obj, s)  # [c, K] d objective / d s
             total += obj.detach()
             with torch.no_grad():
-                dz = chunk_logit_grad(z, lse, ids[a:b], g, None, None, temperature, shard)  # [c, V_local]
-                if need_h:
-                    grad_h[a:b] = grad_hidden_mm(dz, weight)
-                if need_w:
-                    grad_weight_addmm_(grad_w, dz, h, weight.dtype)
-                if need_b:
-                    grad_b += dz.sum(0)
+                dz = logit_grad(shard, z, ids[a:b], lse, g, temperature, live=live[a:b], out=z)  # [c, V_local] dL/dz
+                grads.add(slice(a, b), dz)
             del z, dz
-        if need_h and shard.parallel:
-            shard.all_reduce(grad_h)
-        # keep the gradients in the parameters' dtypes between forward and backward
-        ctx.grads = tuple(None if x is None else x.to(dt) for x, dt in
-                          ((grad_h, hidden.dtype), (grad_w, weight.dtype), (grad_b, None if bias is None else bias.dtype)))
-        ctx.mark_non_differentiable(s_all, top)
-        return total, s_all, top
+        ctx.grads = grads.result(shard)  # in the parameters' dtypes between forward and backward
+        ctx.mark_non_differentiable(s_all, top, lse_all)
+        return total, s_all, top, lse_all
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_s, _grad_top):
+    def backward(ctx, grad_total, _grad_s, _grad_top, _grad_lse):
         # scale in place: the stored gradients are this Function's own buffers and are used once
         grads = tuple(None if x is None else x.mul_(grad_total.to(x.dtype)) for x in ctx.grads)
         ctx.grads = None
-        return grads + (None,) * 6
+        return grads + (None,) * 7
 
 
 def fused_topk_loss(
@@ -108,6 +82,7 @@ def fused_topk_loss(
     temperature: float = 1.0,
     loss_max_clamp: float | None = None,
     group=None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, TopKResult]:
     """(sum_t token_weights_t * clamp(L_t, -c, c), per-token ``TopKResult``), L_t as ``fused_topk_divergence``.
 
@@ -115,35 +90,22 @@ def fused_topk_loss(
         token_weights: ``[...]`` (the leading dims of hidden) weight of each token in the objective, e.g.
             mask * D / N for token-mean; not differentiated.
         loss_max_clamp: clamp each per-token loss to [-c, c] before weighting (None: off).
+        validate: as ``fused_topk_divergence``.
     Returns the scalar objective (differentiable w.r.t. hidden, weight, bias; its gradient was computed in the
     forward pass) and the detached per-token results (``loss`` unclamped) for metrics.
     """
-    check_linear_inputs(hidden, weight, bias)
-    check_chunk_size(chunk_size)
-    vocab = Shard(weight, group).vocab
-    check_topk_inputs(
-        None, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=vocab,
-    )
-    lead = tuple(hidden.shape[:-1])
-    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_ids must have shape {lead + ('K',)} (the leading dims of hidden {tuple(hidden.shape)} plus K), "
-            f"got {tuple(teacher_ids.shape)}"
-        )
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    shard, lead, h2, ids, t, live = topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group,
+                                                temperature, validate, kw)
     check_float(token_weights, "token_weights")
     if tuple(token_weights.shape) != lead:
         raise ValueError(f"token_weights must have shape {lead} (the leading dims of hidden), got {tuple(token_weights.shape)}")
     if loss_max_clamp is not None and (isinstance(loss_max_clamp, bool) or not isinstance(loss_max_clamp, (int, float))
                                        or not loss_max_clamp > 0 or loss_max_clamp == float("inf")):
         raise ValueError(f"loss_max_clamp must be a finite number > 0 or None, got {loss_max_clamp!r}")
-    K = teacher_ids.shape[-1]
-    ids = teacher_ids.reshape(-1, K).long()
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    t = teacher_logprobs.reshape(-1, K).to(cd)
-    w = token_weights.reshape(-1).detach().to(cd)
-    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    cd = compute_dtype(hidden.dtype)
+    t = t.to(cd)
+    w = torch.where(live, token_weights.reshape(-1).detach().to(cd), 0.0)  # masked rows: no contribution
 
     def objective(s, a, b):  # per-token contributions of rows [a, b)
         L = topk_loss_from_logprobs(s, t[a:b], **kw)
@@ -156,11 +118,10 @@ def fused_topk_loss(
     if not torch.is_grad_enabled():  # evaluation: no gradient work in the forward pass
         h2, weight = h2.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
-    total, s, top = FusedWeightedLoss.apply(h2, weight, bias, ids, objective, float(temperature), int(chunk_size), K,
-                                            group)
+    total, s, top, lse = FusedWeightedLoss.apply(h2, weight, bias, ids, shard, live, objective, float(temperature),
+                                                 int(chunk_size), ids.shape[1])
+    if validate:
+        check_fused_rows(lse, live, h2, lead)
     with torch.no_grad():
         loss = topk_loss_from_logprobs(s, t, **kw)
-        q, p = topk_masses(s, t)
-        count, advantage = topk_overlap(ids, t, top, s, log_prob_min_clamp)
-    res = TopKResult(loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead))
-    return total, res
+    return total, finish_topk(loss, s, t, ids, top, log_prob_min_clamp, lead)

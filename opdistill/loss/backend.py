@@ -16,6 +16,7 @@ Every op takes the student first and returns what the plain op returns for the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +28,7 @@ from ..fused import (StudentHidden, TeacherHidden, fused_generalized_jsd, fused_
                      fused_topk_loss)
 from ..ops import generalized_jsd, token_logprobs, topk_divergence
 from ..ops.checks import check_float
+from ..parallel.shard import zero_masked_rows
 from ..parallel import vocab_parallel_generalized_jsd, vocab_parallel_token_logprobs, vocab_parallel_topk_divergence
 from .signals import TeacherLogits
 
@@ -42,7 +44,16 @@ class Backend:
     token_logprobs: Callable
     jsd: Callable
     full_teacher: type
+    zero_rows: Callable
     weighted_topk: Callable | None = None
+
+    def masked_token_logprobs(self, student, ids: torch.Tensor, keep: torch.Tensor, *, temperature: float):
+        """``token_logprobs`` where ``keep``, 0 elsewhere. Masked positions may hold anything (padding ids, NaN
+        logits or hidden states): their rows are zeroed and their ids read as 0 before the op, so nothing there
+        reaches a value or a gradient."""
+        safe_ids = torch.where(keep, ids, torch.zeros_like(ids))
+        lp = self.token_logprobs(self.zero_rows(student, keep), safe_ids, temperature=temperature)
+        return torch.where(keep, lp, 0.0)
 
 
 # -- logits: plain and vocab-parallel --------------------------------------------------------------------------
@@ -63,7 +74,8 @@ def _logits_jsd(op):
     return jsd
 
 
-PLAIN = Backend("plain", _logit_tokens, topk_divergence, token_logprobs, _logits_jsd(generalized_jsd), TeacherLogits)
+PLAIN = Backend("plain", _logit_tokens, topk_divergence, token_logprobs, _logits_jsd(generalized_jsd), TeacherLogits,
+                zero_masked_rows)
 
 
 def vocab_parallel_backend(group=None, vocab_size: int | None = None) -> Backend:
@@ -72,7 +84,8 @@ def vocab_parallel_backend(group=None, vocab_size: int | None = None) -> Backend
     bind = dict(group=group, vocab_size=vocab_size)
     return Backend("vocab-parallel", _logit_tokens, functools.partial(vocab_parallel_topk_divergence, **bind),
                    functools.partial(vocab_parallel_token_logprobs, **bind),
-                   _logits_jsd(functools.partial(vocab_parallel_generalized_jsd, **bind)), TeacherLogits)
+                   _logits_jsd(functools.partial(vocab_parallel_generalized_jsd, **bind)), TeacherLogits,
+                   zero_masked_rows)
 
 
 # -- hidden states x lm_head: fused --------------------------------------------------------------------------------
@@ -81,6 +94,10 @@ def _on_hidden(op, group):
     multiplier folded into the temperature."""
     return lambda s, *args, temperature, **kw: op(s.hidden, s.weight, *args, bias=s.bias, group=group,
                                                   temperature=s.temperature(temperature), **kw)
+
+
+def _zero_hidden_rows(s: StudentHidden, keep: torch.Tensor) -> StudentHidden:
+    return dataclasses.replace(s, hidden=torch.where(keep.unsqueeze(-1), s.hidden, 0.0))
 
 
 def _fused_jsd(s: StudentHidden, t: TeacherHidden, keep, *, beta, temperature, group):
@@ -105,7 +122,7 @@ def fused_backend(group=None) -> Backend:
     contiguous and in rank order (None: the whole vocabulary is here)."""
     return Backend("fused", lambda s: s.hidden.shape[:-1], _on_hidden(fused_topk_divergence, group),
                    _on_hidden(fused_token_logprobs, group), functools.partial(_fused_jsd, group=group), TeacherHidden,
-                   _on_hidden(fused_topk_loss, group))
+                   _zero_hidden_rows, _on_hidden(fused_topk_loss, group))
 
 
 # -- the one dispatch ----------------------------------------------------------------------------------------------

@@ -158,8 +158,7 @@ class DistillationLoss:
         if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.shape != m.shape:
             got = tuple(sampled_ids.shape) if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__
             raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
-        safe_ids = torch.where(m, sampled_ids, torch.zeros_like(sampled_ids))
-        return backend.token_logprobs(student, safe_ids, temperature=self.config.temperature)
+        return backend.masked_token_logprobs(student, sampled_ids, m, temperature=self.config.temperature)
 
     def _per_token(self, backend: Backend, student, teacher, m, metrics: MetricSums, batch, cu_seqlens, group):
         """(the per-token divergence, with masked positions sanitised (they may hold padding garbage), and the

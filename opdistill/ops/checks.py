@@ -103,11 +103,13 @@ def check_topk_inputs(
     log_prob_min_clamp,
     temperature: float,
     vocab_size: int | None = None,
+    validate: bool = True,
 ) -> None:
     """Every check of ``topk_divergence`` (and its vocab-parallel / fused variants).
 
     ``vocab_size`` is the true vocabulary when ``student_logits`` is only a shard (or absent); ids are checked
-    against it.  Raises before any math runs.
+    against it.  ``validate=False`` skips the checks that read tensor values (ids in range, teacher log-probs, mass,
+    duplicates: each a device-to-host sync), keeping those of types, shapes and arguments.  Raises before any math.
     """
     check_choice(support, "support", SUPPORTS)
     check_choice(divergence, "divergence", DIVERGENCES)
@@ -155,6 +157,8 @@ def check_topk_inputs(
         raise ValueError(f"teacher_ids must have K >= 1 slots per token, got K={K}")
     if K > vocab_size:
         raise ValueError(f"teacher_ids has K={K} slots but the vocabulary has only V={vocab_size} tokens (need K <= V)")
+    if not validate:
+        return
     check_ids_in_range(teacher_ids, vocab_size, "teacher_ids")
     check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=True)
     if teacher_logprobs.numel():
@@ -203,3 +207,16 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> torch.Tensor:
         bad = mask[(mask != 0) & (mask != 1)].flatten()[:4].tolist()
         raise ValueError(f"{name} must contain only 0 and 1 (a response mask, not weights), got values like {bad}")
     return mask != 0
+
+
+def check_finite_rows(bad: torch.Tensor, name: str) -> None:
+    """Raise if any entry of ``bad`` (bool, the leading shape of ``name``) is set: that position of ``name`` holds a
+    non-finite value where it counts.  The callers derive ``bad`` from values they compute anyway (a row's
+    log-sum-exp is NaN or +inf exactly when the row holds a NaN or +inf, or no finite entry), so the check costs one
+    reduction over ``[...]`` and one device-to-host sync; ``validate=False`` skips it."""
+    if bad.numel() and bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"{name} is not finite at position {pos} (a NaN or +inf, or no finite value in the row) where the loss "
+            "reads it; look for NaN weights or fp16 overflow, or mask that position (validate=False skips this check)"
+        )

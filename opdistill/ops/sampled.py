@@ -14,6 +14,7 @@ import torch
 
 from .checks import (
     check_choice,
+    check_finite_rows,
     check_float,
     check_ids_in_range,
     check_int,
@@ -35,17 +36,27 @@ def canonical_estimator(name: str) -> str:
     return _CANONICAL.get(name, name)
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / temperature) at ``ids``: ``[..., V]`` x ``[...]`` -> ``[...]`` (fp32; fp64 stays fp64)."""
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, validate: bool = True
+) -> torch.Tensor:
+    """log_softmax(logits / temperature) at ``ids``: ``[..., V]`` x ``[...]`` -> ``[...]`` (fp32; fp64 stays fp64).
+
+    ``validate``: refuse a row with a NaN/+inf logit (or no finite logit) with a ``ValueError`` naming the first
+    such position; False skips the value checks (this one and ids in range) for hot loops.  The op has no mask:
+    zero masked rows first."""
     V = check_logits(logits, "logits")
     check_int(ids, "ids")
     if tuple(ids.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"ids must have the leading shape of logits {tuple(logits.shape[:-1])}, got {tuple(ids.shape)}"
         )
-    check_ids_in_range(ids, V, "ids")
+    if validate:
+        check_ids_in_range(ids, V, "ids")
     check_temperature(temperature)
-    return student_logprobs_at(logits, ids.long().unsqueeze(-1), temperature).squeeze(-1)
+    s, lse = student_logprobs_at(logits, ids.long().unsqueeze(-1), temperature)
+    if validate:
+        check_finite_rows(~torch.isfinite(lse), "logits")
+    return s.squeeze(-1)
 
 
 def kl_estimator(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -62,7 +73,7 @@ def kl_estimator(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
 
 
 def sampled_token_kl(
-    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, estimator: str = "k3"
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, estimator: str = "k3", *, validate: bool = True
 ) -> torch.Tensor:
     """Per-token single-sample estimate of KL(pi || nu) at the student's sampled token.
 
@@ -70,11 +81,17 @@ def sampled_token_kl(
         student_logprobs: ``[...]`` log pi(y_t) (differentiable; e.g. from ``token_logprobs``).
         teacher_logprobs: ``[...]`` l_t = log nu(y_t); finite and <= 0.
         estimator: k1 | k2 | k3 | abs (aliases kl, mse, low_var_kl).
+        validate: refuse a non-finite student log-prob (``ValueError`` naming the first position); False skips the
+            value checks (this one and those of the teacher log-probs).
     Returns ``[...]`` in fp32 (fp64 for fp64 inputs).
     """
     est = canonical_estimator(estimator)
     check_float(student_logprobs, "student_logprobs")
-    check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=False)
+    check_float(teacher_logprobs, "teacher_logprobs")
+    if validate:
+        check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=False)
     check_same_shape(student_logprobs, "student_logprobs", teacher_logprobs, "teacher_logprobs")
+    if validate:
+        check_finite_rows(~torch.isfinite(student_logprobs), "student_logprobs")
     dtype = compute_dtype(student_logprobs.dtype)
     return kl_estimator(student_logprobs.to(dtype), teacher_logprobs.to(dtype), est)

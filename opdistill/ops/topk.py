@@ -7,12 +7,17 @@ The teacher signal is, per position, K ids ``T = (i_1..i_K)`` and their teacher 
 The op is built from named stages that the vocab-parallel and fused variants reuse unchanged:
 
 1. ``student_logprobs_at``   s_k = log pi(i_k) = z_{i_k}/tau - logsumexp(z/tau)          [..., K]
+   (vocab-sharded / fused: ``parallel.stages.lse_and_gather``, same values)
 2. ``topk_loss_from_logprobs``  the per-token divergence as a function of (s, l) only     [...]
-3. ``topk_masses``           Q = sum_k pi(i_k), P = sum_k nu(i_k)                          [...]
-4. ``topk_overlap``          |T cap S| and the mean teacher-token advantage on the overlap  [...]
+   (the bucket divergence is the one kernel of ``ops.divergence``)
+3. ``finish_topk``           masses Q, P, |T cap S| and the overlap advantage -> ``TopKResult``
 
 Because stage 2 depends on the logits only through s, every variant gets its logit gradient from the same rule:
 with g_k = dL/ds_k,  dL/dz_j = (1/tau) * (sum_k g_k [i_k = j]  -  (sum_k g_k) * pi_j).
+
+Masked positions: a row whose K slots are all empty (``DistillationLoss`` sends masked rows that way) is replaced
+by zeros before the log-softmax, so a NaN/inf the student holds there reaches neither the loss nor any gradient.
+With ``validate=True`` a NaN/+inf in a live row is refused (``check_finite_rows``, read off the log-sum-exp).
 
 Rest-mass floors (documented in docs/losses.md): the student's rest mass 1 - Q is floored at ``TAIL_MASS_EPS``
 in every tail divergence (its log would otherwise be -inf when the top-k hold all the mass in fp32, and the
@@ -28,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_topk_inputs, compute_dtype
+from .checks import check_finite_rows, check_topk_inputs, compute_dtype
+from .divergence import canonical, kl
+from .divergence import divergence as bucket_divergence
 
 TAIL_MASS_EPS = 1e-6
 _LOG_TAIL_EPS = math.log(TAIL_MASS_EPS)
@@ -63,41 +70,22 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
 
 
-def student_logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """s_k = log_softmax(z / tau)[i_k] = z_{i_k}/tau - logsumexp(z/tau), computed in fp32 (fp64 for fp64).
+def student_logprobs_at(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, live: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, lse): s_k = log_softmax(z / tau)[i_k] = z_{i_k}/tau - lse, lse = logsumexp(z/tau), in fp32 (fp64 for fp64).
 
-    Gathers before subtracting, so no [.., V] log-prob tensor is kept beyond the one autograd needs.
+    Gathers before subtracting, so no [.., V] log-prob tensor is kept beyond the one autograd needs.  Rows where
+    ``live`` [...] is False are replaced by zeros first (``where``), so whatever they hold never reaches a value or
+    a gradient.
     """
     z = logits.to(compute_dtype(logits.dtype))
     if temperature != 1.0:
         z = z / temperature
+    if live is not None:
+        z = torch.where(live.unsqueeze(-1), z, 0.0)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    return z.gather(-1, ids.long()) - lse
-
-
-def _bucket_kl(p_log: torch.Tensor, q_log: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """sum over valid buckets of p (log p - log q); buckets with p = 0 contribute 0 (x log x -> 0).
-
-    The inputs are sanitised before the arithmetic so that no inf/NaN exists even in unselected branches
-    (a NaN there would still poison the backward of ``torch.where``).
-    """
-    keep = valid & (p_log > float("-inf"))
-    p_log = torch.where(keep, p_log, 0.0)
-    q_log = torch.where(keep, q_log, 0.0)
-    return torch.where(keep, p_log.exp() * (p_log - q_log), 0.0).sum(-1)
-
-
-def _bucket_divergence(t_log, s_log, valid, divergence: str, beta: float) -> torch.Tensor:
-    """Divergence between teacher buckets ``t_log`` and student buckets ``s_log`` (log-probs, [..., B])."""
-    if divergence == "forward" or (divergence == "jsd" and beta == 0.0):
-        return _bucket_kl(t_log, s_log, valid)  # KL(nu || pi); TRL: beta = 0 is forward KL
-    if divergence == "reverse" or (divergence == "jsd" and beta == 1.0):
-        return _bucket_kl(s_log, t_log, valid)  # KL(pi || nu); TRL: beta = 1 is reverse KL
-    # Generalized JSD with TRL's mixture M = beta * nu + (1 - beta) * pi.
-    t_safe = torch.where(valid, t_log, float("-inf"))
-    s_safe = torch.where(valid, s_log, float("-inf"))
-    m_log = torch.logaddexp(t_safe + math.log(beta), s_safe + math.log1p(-beta))
-    return beta * _bucket_kl(t_log, m_log, valid) + (1.0 - beta) * _bucket_kl(s_log, m_log, valid)
+    return z.gather(-1, ids.long()) - lse, lse.squeeze(-1)
 
 
 def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -118,7 +106,8 @@ def topk_loss_from_logprobs(
     truncated/forward   L = max(0, sum_k nu'_k (l'_k - s'_k)),  primes: clamp_min(log_prob_min_clamp) if set
     tail/*              the divergence over K+1 buckets: T, and the rest with masses 1 - P, 1 - Q
     renormalized/*      the divergence between nu~ = nu/P and pi~ = pi/Q on T
-    jsd(beta)           beta KL(nu || M) + (1 - beta) KL(pi || M), M = beta nu + (1 - beta) pi; beta=0 forward, 1 reverse
+    The divergence over the buckets is the one kernel ``divergence.divergence`` (its endpoint rules: jsd at beta = 0
+    is forward KL, at beta = 1 reverse KL).
     """
     s, t = student_logprobs, teacher_logprobs.to(student_logprobs.dtype)
     valid = t > float("-inf")  # [..., K] non-empty slots
@@ -128,25 +117,25 @@ def topk_loss_from_logprobs(
             t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
         # verl clamps the truncated KL at 0: it is not a divergence (the masses are unnormalised) and can go
         # negative; those tokens then get no gradient.
-        return _bucket_kl(t, s, valid).clamp_min(0.0)
+        return kl(t, s, valid).clamp_min(0.0)
 
     if support == "tail":
         log_p = _masked_logsumexp(t, valid).clamp_max(0.0)  # P may exceed 1 by rounding (checked <= 1 + tol)
         log_q = _masked_logsumexp(s, valid).clamp_max(_LOG_ONE_MINUS_EPS)  # student rest >= eps
         s_rest = log1mexp(log_q)
         t_rest = log1mexp(log_p)
-        if divergence != "forward" and not (divergence == "jsd" and beta == 0.0):
+        if canonical(divergence, beta) != "forward":
             t_rest = t_rest.clamp_min(_LOG_TAIL_EPS)  # teacher rest sits in a denominator: floor it
         t_b = torch.cat([t, t_rest.unsqueeze(-1)], dim=-1)  # [..., K+1]
         s_b = torch.cat([s, s_rest.unsqueeze(-1)], dim=-1)
         valid_b = torch.cat([valid, torch.ones_like(valid[..., :1])], dim=-1)
-        return _nonnegative(_bucket_divergence(t_b, s_b, valid_b, divergence, beta))
+        return _nonnegative(bucket_divergence(t_b, s_b, divergence, beta, valid_b))
 
     # renormalized: distributions on T alone.  Rows without a non-empty slot get 0 (not NaN).
     any_valid = valid.any(-1, keepdim=True)
     log_p = torch.where(any_valid, _masked_logsumexp(t, valid).unsqueeze(-1), 0.0)
     log_q = torch.where(any_valid, _masked_logsumexp(s, valid).unsqueeze(-1), 0.0)
-    return _nonnegative(_bucket_divergence(t - log_p, s - log_q, valid, divergence, beta))
+    return _nonnegative(bucket_divergence(t - log_p, s - log_q, divergence, beta, valid))
 
 
 def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
@@ -156,42 +145,39 @@ def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
     return loss.clamp_min(0.0)
 
 
-def topk_masses(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q, P): student and teacher mass on the non-empty teacher ids, unclamped, detached."""
-    s = student_logprobs.detach()
-    t = teacher_logprobs.to(s.dtype)
-    valid = t > float("-inf")
-    q = torch.where(valid, s.exp(), 0.0).sum(-1)
-    p = torch.where(valid, t, float("-inf")).exp().sum(-1)
-    return q, p
-
-
-def topk_overlap(
-    teacher_ids: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    student_topk_ids: torch.Tensor,
+def finish_topk(
+    loss: torch.Tensor,
     student_logprobs: torch.Tensor,
-    log_prob_min_clamp: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|T cap S|, overlap_token_advantage), detached.
+    teacher_logprobs: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    student_topk_ids: torch.Tensor,
+    log_prob_min_clamp: float | None,
+    lead: tuple,
+) -> TopKResult:
+    """The ``TopKResult`` of every back-end from the per-token loss and the ``[N, K]`` stages' outputs (detached).
 
-    S is the student's own top-K ids.  The advantage is -sum_{i in T cap S} nu_i (l_i - log pi_i) / |T cap S|, with
-    nu, l, log pi clamped at ``log_prob_min_clamp`` when it is set (as verl does), and 0 where T cap S is empty.
+    Q = sum_k pi(i_k), P = sum_k nu(i_k) over the non-empty slots, unclamped.  The overlap is T cap S with S the
+    student's own top-K ids; its advantage is -sum_{i in T cap S} nu_i (l_i - log pi_i) / |T cap S|, with nu, l,
+    log pi clamped at ``log_prob_min_clamp`` when it is set (as verl does), and 0 where T cap S is empty.
+    Everything is reshaped to ``lead`` (the leading shape of the logits / hidden states); ``loss`` keeps its graph.
     """
-    s = student_logprobs.detach()
-    t = teacher_logprobs.to(s.dtype)
-    valid = t > float("-inf")
-    if log_prob_min_clamp is not None:
-        s = s.clamp_min(log_prob_min_clamp)
-        t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
-    in_student_topk = (teacher_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(-1)  # [..., K]
-    overlap = valid & in_student_topk
-    count = overlap.sum(-1)
-    t_safe = torch.where(overlap, t, 0.0)
-    s_safe = torch.where(overlap, s, 0.0)
-    contribution = torch.where(overlap, t_safe.exp() * (t_safe - s_safe), 0.0).sum(-1)
-    advantage = torch.where(count > 0, -contribution / count.clamp_min(1), 0.0)
-    return count, advantage
+    with torch.no_grad():
+        s = student_logprobs.detach()
+        t = teacher_logprobs.to(s.dtype)
+        valid = t > float("-inf")
+        q = torch.where(valid, s.exp(), 0.0).sum(-1)
+        p = torch.where(valid, t, float("-inf")).exp().sum(-1)
+        if log_prob_min_clamp is not None:
+            s = s.clamp_min(log_prob_min_clamp)
+            t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
+        in_student_topk = (teacher_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(-1)  # [..., K]
+        overlap = valid & in_student_topk
+        count = overlap.sum(-1)
+        t_safe = torch.where(overlap, t, 0.0)
+        s_safe = torch.where(overlap, s, 0.0)
+        contribution = torch.where(overlap, t_safe.exp() * (t_safe - s_safe), 0.0).sum(-1)
+        advantage = torch.where(count > 0, -contribution / count.clamp_min(1), 0.0)
+    return TopKResult(*(x.reshape(lead) for x in (loss, q, p, count, advantage)))
 
 
 def topk_divergence(
@@ -204,6 +190,7 @@ def topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
+    validate: bool = True,
 ) -> TopKResult:
     """Per-token top-k distillation divergence between the teacher's top-k and the student's distribution.
 
@@ -217,6 +204,11 @@ def topk_divergence(
         beta: JSD interpolation, M = beta nu + (1 - beta) pi; beta=0 is forward KL, beta=1 reverse KL.
         log_prob_min_clamp: truncated only: clamp both log-probs at this floor before the KL (verl).
         temperature: student temperature tau.
+        validate: refuse NaN/+inf student logits in a row that has a non-empty slot (``ValueError`` naming the first
+            such position); False skips every check that reads tensor values (this one and those of the teacher
+            signal: ids in range, log-probs, mass, duplicates; each a device-to-host sync) for hot loops whose
+            inputs are known to be valid.  Rows with no
+            non-empty slot (masked) are zeroed either way: their values never reach the loss or a gradient.
 
     ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
     ``clamp_min(0)``, in value and gradient.  Returns a ``TopKResult`` of per-token tensors.
@@ -230,16 +222,17 @@ def topk_divergence(
         beta=beta,
         log_prob_min_clamp=log_prob_min_clamp,
         temperature=temperature,
+        validate=validate,
     )
     ids = teacher_ids.long()
-    s = student_logprobs_at(student_logits, ids, temperature)  # [..., K]
+    live = (teacher_logprobs > float("-inf")).any(-1)  # [...] rows with a non-empty slot
+    s, lse = student_logprobs_at(student_logits, ids, temperature, live)  # [..., K], [...]
+    if validate:
+        check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
     loss = topk_loss_from_logprobs(
         s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
     )
-    with torch.no_grad():
-        q, p = topk_masses(s, t)
-        # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
-        student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
-        count, advantage = topk_overlap(ids, t, student_topk, s, log_prob_min_clamp)
-    return TopKResult(loss, q, p, count, advantage)
+    # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
+    student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
+    return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape))

@@ -3,7 +3,8 @@
 Each op takes this rank's shard of the logits (or a DTensor sharded on its last dim) and the tensor-parallel
 process group, returns the per-token values of the single-device op (identical on every rank of the group), and
 back-propagates into the local shard with an analytic backward that saves no fp32 ``[tokens, V/tp]`` tensor.
-A group of one rank issues no collective.  The math and the collectives are in docs/parallel.md.
+A group of one rank issues no collective.  The math is the vocab-sharded stages of ``stages.py`` (which the fused ops
+share); the collectives per call are in docs/parallel.md.
 """
 
 from .jsd import VocabParallelGeneralizedJSD, vocab_parallel_generalized_jsd

@@ -1,99 +1,57 @@
 """Vocab-parallel ``generalized_jsd``: student and teacher logits sharded the same way on the vocabulary dim.
 
-The per-column math is ``ops.jsd.jsd_from_logprobs`` applied to each chunk of columns (its sum over the vocabulary
-splits into per-shard sums); only the log-softmax normalisers and the per-token totals cross ranks.
+The per-column math is the one divergence kernel (``ops.divergence``) applied to each chunk of columns (its sum over
+the vocabulary splits into per-shard sums), run by the stages ``lse_and_gather``, ``jsd_totals`` and
+``jsd_logit_grad`` that the fused JSD shares; only the log-softmax normalisers and the per-token totals cross ranks.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
-from ..ops.checks import check_logits, check_same_shape, check_temperature, check_unit_interval, compute_dtype
-from ..ops.jsd import jsd_from_logprobs
-from .logsoftmax import _scaled
-from .shard import VocabShard, all_reduce_, all_reduce_max_checked, resolve_shard, row_chunks
+from ..ops.checks import (
+    check_finite_rows,
+    check_logits,
+    check_same_shape,
+    check_temperature,
+    check_unit_interval,
+    compute_dtype,
+)
+from ..ops.divergence import divergence_grad
+from .shard import VocabShard, resolve_shard
+from .stages import jsd_logit_grad, jsd_totals, lse_and_gather
 
 
 def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
-    """a_j = d/ds_j of the summand of ``jsd_from_logprobs(s, t, beta)`` (s, t held as free variables), [..., V].
-
-        beta = 0:   phi = nu (t - s)                                   a = -nu
-        beta = 1:   phi = pi (s - t)                                   a = pi (s - t + 1)
-        otherwise:  phi = beta nu (t - m) + (1 - beta) pi (s - m)      a = (1 - beta) pi (s - m)
-                    (m = log(beta nu + (1 - beta) pi); the d m/d s terms cancel because beta nu + (1 - beta) pi = e^m)
-    Checked against autograd through ``jsd_from_logprobs`` in tests/test_parallel_ops.py.
-    """
-    if beta == 0.0:
-        return -torch.exp(t)
-    if beta == 1.0:
-        return torch.exp(s) * (s - t + 1.0)
-    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
-    return (1.0 - beta) * torch.exp(s) * (s - m)
-
-
-def _chunk_terms(xs, xt, lse, rows, w, tau, dtype, beta):
-    """(per-token JSD of this chunk's columns [n], a = d(that)/ds [n, w], s [n, w]) via the single-device stage."""
-    s = _scaled(xs[rows, :w], tau, dtype) - lse[rows, 0:1]
-    t = _scaled(xt[rows, :w], tau, dtype) - lse[rows, 1:2]
-    return jsd_from_logprobs(s, t, beta), jsd_logprob_grad(s, t, beta), s
+    """a_j = d/ds_j of the summand of ``jsd_from_logprobs(s, t, beta)``: ``ops.divergence.divergence_grad``."""
+    return divergence_grad(t, s, "jsd", beta)
 
 
 class VocabParallelGeneralizedJSD(torch.autograd.Function):
     """Per-token generalized JSD between full-vocabulary teacher nu and student pi, both sharded.
 
     Forward (xs, xt = this rank's student / teacher logits [N, Vl], s = log pi, t = log nu, both over z/tau):
-        lse_s, lse_t   all-reduce MAX of the local maxima, then all-reduce SUM of the local sum-exps   [N, 2] each
-        J              = all-reduce SUM over ranks of sum_{j local} phi(s_j, t_j)                   [N]
-        A              = all-reduce SUM of sum_{j local} a_j,  a_j = d phi / d s_j              (same message as J)
-    phi is the summand of ``jsd_from_logprobs`` and a_j its partial in s_j (``jsd_logprob_grad``).
+        lse_s, lse_t   ``stages.lse_and_gather`` on (xs, xt): all-reduce MAX [N, 2], all-reduce SUM [N, 2]
+        J, A           ``stages.jsd_totals``: all-reduce SUM [N, 2] of sum_j phi(s_j, t_j) and sum_j d phi / d s_j
     Backward (grad [N]):
-        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      chunk-wise from the saved logits; no collective
+        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j * A)      ``stages.jsd_logit_grad``, from the saved logits
     The teacher is a constant: its logits get no gradient.  Saved: xs, xt (own dtype), lse [N, 2], A [N].
+    Returns (J, lse) with lse non-differentiable (for validation).
     """
 
     @staticmethod
     def forward(ctx, xs, xt, shard: VocabShard, tau: float, beta: float):
-        dtype = compute_dtype(xs.dtype)
-        n, w = xs.shape[0], shard.width
-        m = torch.full((n, 2), float("-inf"), dtype=dtype, device=xs.device)
-        se = torch.zeros((n, 2), dtype=dtype, device=xs.device)
-        chunks = list(row_chunks(n, w)) if w > 0 else []
-        for rows in chunks:
-            m[rows, 0] = _scaled(xs[rows, :w], tau, dtype).amax(-1)
-            m[rows, 1] = _scaled(xt[rows, :w], tau, dtype).amax(-1)
-        m = all_reduce_max_checked(m, shard)  # collective 1 (and the layout check)
-        for rows in chunks:
-            se[rows, 0] = torch.exp(_scaled(xs[rows, :w], tau, dtype) - m[rows, 0:1]).sum(-1)
-            se[rows, 1] = torch.exp(_scaled(xt[rows, :w], tau, dtype) - m[rows, 1:2]).sum(-1)
-        all_reduce_(se, dist.ReduceOp.SUM, shard)  # collective 2
-        lse = m + torch.log(se)  # [N, 2]: student, teacher
-        totals = torch.zeros((n, 2), dtype=dtype, device=xs.device)  # [N, 2]: J, A
-        for rows in chunks:
-            val, a, _ = _chunk_terms(xs, xt, lse, rows, w, tau, dtype, beta)
-            totals[rows, 0] = val
-            totals[rows, 1] = a.sum(-1)
-        all_reduce_(totals, dist.ReduceOp.SUM, shard)  # collective 3
+        lse, _, _ = lse_and_gather(shard, (xs, xt), None, tau, compute_dtype(xs.dtype))  # [N, 2]: student, teacher
+        totals = jsd_totals(shard, xs, xt, lse, tau, beta)  # [N, 2]: J, A
         ctx.save_for_backward(xs, xt, lse, totals[:, 1].clone())
         ctx.shard, ctx.tau, ctx.beta = shard, tau, beta
-        return totals[:, 0].clone()
+        ctx.mark_non_differentiable(lse)
+        return totals[:, 0].clone(), lse
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_lse):
         xs, xt, lse, A = ctx.saved_tensors
-        shard, tau, w = ctx.shard, ctx.tau, ctx.shard.width
-        out = torch.zeros_like(xs)
-        if w > 0:
-            grad = grad.to(lse.dtype)
-            for rows in row_chunks(xs.shape[0], w):
-                _, a, s = _chunk_terms(xs, xt, lse, rows, w, tau, lse.dtype, ctx.beta)
-                g = grad[rows, None] * (a - torch.exp(s) * A[rows, None])  # log-softmax backward, A all-reduced
-                if tau != 1.0:
-                    g = g / tau
-                out[rows, :w] = g.to(xs.dtype)
-        return out, None, None, None, None
+        return jsd_logit_grad(ctx.shard, xs, xt, lse, A, grad, ctx.tau, ctx.beta), None, None, None, None
 
 
 def vocab_parallel_generalized_jsd(
@@ -104,12 +62,14 @@ def vocab_parallel_generalized_jsd(
     vocab_size: int | None = None,
     beta: float = 0.5,
     temperature: float = 1.0,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``generalized_jsd`` with both logits sharded the same way on the vocab dim; ``[..., V/tp]`` -> ``[...]``.
 
     beta = 0 is forward KL(teacher || student), beta = 1 reverse KL (TRL's endpoints).  Plain shards or DTensors
     (both the same kind and layout); ``group`` and ``vocab_size`` as in ``vocab_parallel_topk_divergence``.
-    The teacher logits are treated as constants (no gradient).  Returns fp32 (fp64 for fp64), same on every rank.
+    The teacher logits are treated as constants (no gradient).  ``validate`` as ``generalized_jsd`` (the op has no
+    mask: zero masked rows first).  Returns fp32 (fp64 for fp64), same on every rank.
     """
     shard = resolve_shard(local_student_logits, group, vocab_size, "local_student_logits")
     t_shard = resolve_shard(local_teacher_logits, group, vocab_size, "local_teacher_logits")
@@ -126,7 +86,11 @@ def vocab_parallel_generalized_jsd(
     check_unit_interval(beta, "beta")
     check_temperature(temperature)
     lead, v = tuple(xs.shape[:-1]), xs.shape[-1]
-    out = VocabParallelGeneralizedJSD.apply(
+    out, lse = VocabParallelGeneralizedJSD.apply(
         xs.reshape(-1, v), xt.reshape(-1, v), shard, float(temperature), float(beta)
     )
+    if validate:
+        bad = ~torch.isfinite(lse)
+        check_finite_rows(bad[:, 0].reshape(lead), "local_student_logits")
+        check_finite_rows(bad[:, 1].reshape(lead), "local_teacher_logits")
     return out.reshape(lead)

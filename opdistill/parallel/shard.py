@@ -27,26 +27,42 @@ CHUNK_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's slice of the vocabulary.
+    """This rank's slice of the vocabulary: the one description every vocab-sharded stage reads.
 
-    local       the local logits ``[..., Vl]`` (a plain tensor; the DTensor's local shard, differentiable)
     group       the tensor-parallel process group (None on a single process)
     size, rank  the group's size and this rank's index in it
     start       global id of local column 0
-    width       local columns that are real vocabulary (<= Vl; the rest is padding)
+    width       local columns that are real vocabulary (<= local_width; the rest is padding)
     vocab_size  the true vocabulary size V
+    local_width local columns in all (Vl), padding included
     equal_widths  plain-tensor layout: every rank must hold the same number of columns (checked for free in
-                the first all-reduce, see ``all_reduce_max_checked``); False for a DTensor (torch.chunk widths)
+                the first all-reduce, see ``all_reduce_max_checked``); False for a DTensor (torch.chunk widths) and
+                for lm_head row shards (``for_rows``: the offsets were all-gathered)
+    local       the local logits ``[..., Vl]`` given to ``resolve_shard`` (the DTensor's local shard); None from
+                ``for_rows``
     """
 
-    local: torch.Tensor
     group: object
     size: int
     rank: int
     start: int
     width: int
     vocab_size: int
+    local_width: int
     equal_widths: bool = False
+    local: torch.Tensor | None = None
+
+    @classmethod
+    def for_rows(cls, rows: int, group, device) -> "VocabShard":
+        """The shard of an lm_head whose ``rows`` vocabulary rows sit on this rank, ranks in order, widths possibly
+        uneven.  One all_gather of the widths (none for a group of one rank): build it once per call."""
+        size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        if size == 1:
+            return cls(group, 1, 0, 0, rows, rows, rows)
+        widths = torch.zeros(size, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(widths, torch.tensor([rows], dtype=torch.int64, device=device), group=group)
+        start = int(widths[:rank].sum())
+        return cls(group, size, rank, start, rows, int(widths.sum()), rows)
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -116,8 +132,8 @@ def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logi
                 "an equal shard of the (padded) vocabulary, rank r owning columns [r * Vl, (r + 1) * Vl)"
             )
     width = max(0, min(local.shape[-1], V - start))
-    return VocabShard(local=local, group=group, size=size, rank=rank, start=start, width=width, vocab_size=V,
-                      equal_widths=not is_dtensor)
+    return VocabShard(group=group, size=size, rank=rank, start=start, width=width, vocab_size=V,
+                      local_width=local.shape[-1], equal_widths=not is_dtensor, local=local)
 
 
 # -- collectives: each is skipped for a group of one rank ---------------------------------------------------------
@@ -132,7 +148,7 @@ def all_reduce_max_checked(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     the same number of columns (rank r's offset is r * Vl only then); raises on every rank alike otherwise."""
     if shard.size == 1:
         return x
-    vl = shard.local.shape[-1]
+    vl = shard.local_width
     both = torch.cat([x.reshape(-1), torch.tensor([vl, -vl], dtype=x.dtype, device=x.device)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=shard.group)
     widest, narrowest = int(both[-2]), -int(both[-1])
@@ -159,3 +175,14 @@ def row_chunks(rows: int, width: int):
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     for lo in range(0, rows, step):
         yield slice(lo, min(rows, lo + step))
+
+
+def zero_masked_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``where(keep[..., None], x, 0)`` for logits ``[..., V]`` or a DTensor sharded on its last dim (applied to the
+    local shard): what a masked position holds (padding garbage, NaN) then reaches no value and no gradient."""
+    if _is_dtensor(x):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.where(keep.unsqueeze(-1), x.to_local(), 0.0)
+        return DTensor.from_local(local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    return torch.where(keep.unsqueeze(-1), x, 0.0)

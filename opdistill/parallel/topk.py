@@ -1,57 +1,59 @@
 """Vocab-parallel top-k divergence: ``ops.topk.topk_divergence`` on logits sharded over the vocabulary.
 
 Same arguments, same ``TopKResult``, same numbers (up to the summation order of the log-sum-exp).  The per-token
-math is the single-device stages, unchanged: ``topk_loss_from_logprobs``, ``topk_masses``, ``topk_overlap``; only
-s_k = log pi(i_k) (``logsoftmax.logsumexp_and_gather``) and its logit gradient (``logsoftmax.logit_grad``) know
-about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM [N, 1 + K], all_gather [N, 2K]
-(the overlap metric); none in backward; none at all for a group of one rank.
+math is the single-device stages, unchanged: ``topk_loss_from_logprobs`` and ``finish_topk``; only s_k = log pi(i_k)
+(``stages.lse_and_gather``), its logit gradient (``stages.logit_grad``) and the student's top-K
+(``stages.global_topk``) know about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM
+[N, 1 + K], all_gather [N, 2K] (the overlap metric); none in backward; none at all for a group of one rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops.checks import check_topk_inputs, compute_dtype
-from ..ops.topk import TopKResult, topk_loss_from_logprobs, topk_masses, topk_overlap
-from .logsoftmax import global_topk_ids, logit_grad, logsumexp_and_gather
+from ..ops.checks import check_finite_rows, check_topk_inputs, compute_dtype
+from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
 from .shard import VocabShard, resolve_shard
+from .stages import global_topk, logit_grad, lse_and_gather
 
 
 class VocabParallelTopKLoss(torch.autograd.Function):
     """Per-token top-k divergence L(s, l) from a vocabulary shard of the student logits.
 
-    Forward (x = this rank's logits [N, Vl], ids/l = teacher top-k [N, K]):
-        lse, z_ik   = all-reduced log-sum-exp and gathered logits (see ``logsoftmax``)
+    Forward (x = this rank's logits [N, Vl], ids/l = teacher top-k [N, K], live [N] = rows with a non-empty slot):
+        lse, z_ik   = all-reduced log-sum-exp and gathered logits (``stages.lse_and_gather``)
         s_k         = z_ik - lse                                    log pi(i_k), [N, K], same on every rank
         L           = topk_loss_from_logprobs(s, l; support, divergence, beta, clamp)          [N]
     Backward (dL_total/dL = grad [N]):
         g_k         = grad * dL/ds_k          autograd through the small [N, K] function ``topk_loss_from_logprobs``
-        dL/dx_j     = (1/tau)(sum_k g_k [i_k = j] - (sum_k g_k) pi_j)   for the columns j this rank owns
+        dL/dx_j     = (1/tau)(sum_k g_k [i_k = j] - (sum_k g_k) pi_j)   ``stages.logit_grad``, this rank's columns
     For truncated forward without clamp, g_k = -nu_k on active tokens, so dL/dx_j = (1/tau)(P pi_j - nu_j [j in T])
-    (SPEC 5's m_A pi_j - nu_j 1[j in A]).  Saved: x (its own dtype, not copied), lse [N], ids, s, l [N, K];
-    no [N, Vl] fp32 tensor.  Returns (L, s) with s non-differentiable (the diagnostics use it).
+    (SPEC 5's m_A pi_j - nu_j 1[j in A]).  Saved: x (its own dtype, not copied), lse [N], ids, s, l [N, K], live [N];
+    no [N, Vl] fp32 tensor.  Returns (L, s, lse) with s and lse non-differentiable (diagnostics, validation).
     """
 
     @staticmethod
     def forward(ctx, x, ids, t, shard: VocabShard, tau: float, loss_kwargs: dict):
         dtype = compute_dtype(x.dtype)
-        lse, z_at = logsumexp_and_gather(shard, x, ids, tau, dtype)
-        s = z_at - lse[:, None]  # [N, K]
         t = t.to(dtype)
+        live = (t > float("-inf")).any(-1)  # [N] masked rows hold only empty slots
+        lse, z_at, _ = lse_and_gather(shard, (x,), ids, tau, dtype, live=live)
+        lse = lse[:, 0]
+        s = z_at - lse[:, None]  # [N, K]
         loss = topk_loss_from_logprobs(s, t, **loss_kwargs)  # [N]
-        ctx.save_for_backward(x, ids, lse, s, t)
+        ctx.save_for_backward(x, ids, lse, s, t, live)
         ctx.shard, ctx.tau, ctx.loss_kwargs = shard, tau, loss_kwargs
-        ctx.mark_non_differentiable(s)
-        return loss, s
+        ctx.mark_non_differentiable(s, lse)
+        return loss, s, lse
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_s):
-        x, ids, lse, s, t = ctx.saved_tensors
+    def backward(ctx, grad_loss, _grad_s, _grad_lse):
+        x, ids, lse, s, t, live = ctx.saved_tensors
         with torch.enable_grad():
             s_req = s.detach().requires_grad_(True)
             loss = topk_loss_from_logprobs(s_req, t, **ctx.loss_kwargs)
             (g,) = torch.autograd.grad(loss, s_req, grad_loss.to(loss.dtype))  # [N, K] g_k = grad * dL/ds_k
-        return logit_grad(ctx.shard, x, ids, lse, g, ctx.tau), None, None, None, None, None
+        return logit_grad(ctx.shard, x, ids, lse, g, ctx.tau, live=live), None, None, None, None, None
 
 
 def vocab_parallel_topk_divergence(
@@ -66,6 +68,7 @@ def vocab_parallel_topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
+    validate: bool = True,
 ) -> TopKResult:
     """``topk_divergence`` with the student logits sharded on the vocabulary dim over ``group``.
 
@@ -76,7 +79,8 @@ def vocab_parallel_topk_divergence(
         group: the tensor-parallel process group; None on a single process.
         vocab_size: the true vocabulary when the shards are padded (columns >= vocab_size get no mass and no
             gradient); default: all columns are real.
-        support, divergence, beta, log_prob_min_clamp, temperature: as ``topk_divergence``.
+        support, divergence, beta, log_prob_min_clamp, temperature, validate: as ``topk_divergence`` (the
+            finiteness check reads the all-reduced log-sum-exp, so every rank raises alike).
 
     Returns the ``TopKResult`` of ``topk_divergence`` on the gathered logits, per token, identical on every rank
     of the group; the gradient reaches each rank's shard only.
@@ -85,18 +89,14 @@ def vocab_parallel_topk_divergence(
     x = shard.local
     check_topk_inputs(
         x, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
     )
     lead, K = tuple(x.shape[:-1]), teacher_ids.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     ids = teacher_ids.reshape(-1, K).long()
     kwargs = dict(support=support, divergence=divergence, beta=float(beta), log_prob_min_clamp=log_prob_min_clamp)
-    loss, s = VocabParallelTopKLoss.apply(x2, ids, teacher_logprobs.reshape(-1, K), shard, float(temperature), kwargs)
-    with torch.no_grad():
-        t = teacher_logprobs.reshape(-1, K).to(s.dtype)
-        q, p = topk_masses(s, t)
-        student_topk = global_topk_ids(shard, x2.detach(), K)
-        count, advantage = topk_overlap(ids, t, student_topk, s, log_prob_min_clamp)
-    return TopKResult(
-        loss.reshape(lead), q.reshape(lead), p.reshape(lead), count.reshape(lead), advantage.reshape(lead)
-    )
+    t = teacher_logprobs.reshape(-1, K)
+    loss, s, lse = VocabParallelTopKLoss.apply(x2, ids, t, shard, float(temperature), kwargs)
+    if validate:
+        check_finite_rows((~torch.isfinite(lse) & (t > float("-inf")).any(-1)).reshape(lead), "local_logits")
+    return finish_topk(loss, s, t, ids, global_topk(shard, x2.detach(), K), log_prob_min_clamp, lead)

@@ -70,14 +70,14 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
     old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
     if method == "rl":
-        lp = select_backend(student).token_logprobs(student, tgt, temperature=1.0)
+        lp = select_backend(student).masked_token_logprobs(student, tgt, m, temperature=1.0)
         return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
     cfg = loss_fn.config
     if cfg.loss_mode == "topk":
         teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L])
     elif cfg.loss_mode == "sampled":
         teacher = TeacherSampled(data.teacher_sampled[idx, :L])
-        student = loss_fn.backend(student).token_logprobs(student, tgt, temperature=cfg.temperature)
+        student = loss_fn.backend(student).masked_token_logprobs(student, tgt, m, temperature=cfg.temperature)
     else:
         raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
     return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv)

@@ -1,0 +1,228 @@
+"""The vocab-sharded stages: every path that needs log pi over a (possibly sharded) vocabulary calls these.
+
+``parallel/`` calls them on a rank's shard of the logits; ``fused/`` on one token chunk of z = h W^T (+ b) computed in
+fp32 from its shard of the lm_head; the plain, unsharded case is a ``VocabShard`` of one rank (no collective).
+A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.VocabShard``).  With z = x / tau:
+
+``lse_and_gather``  (2 collectives for any number of logit tensors, any K, with or without the entropy)
+    m      = max_j z_j                             all-reduce MAX of the local maxima (+ the layout check)   [N, X]
+    S      = sum_j exp(z_j - m)                    all-reduce SUM of the local sums                          [N, X]
+    z_ik   = z at the teacher id i_k               same SUM message: only the owning rank contributes        [N, K]
+    T      = sum_j exp(z_j - m) (z_j - m)          same SUM message, only when the entropy is asked          [N]
+    lse    = m + log S,     s_k = z_ik - lse = log pi(i_k),     E = -sum_j pi_j log pi_j = log S - T / S
+  identical on every rank.  Ids owned by another rank gather at local index 0 with a zero weight
+  (``where(owned, ., 0)``), so a real token at local index 0 is never disturbed.
+
+``logit_grad``  (no collective) for any per-token loss that reaches the logits only through s (and E),
+  g_k = dL/ds_k, gE = dL/dE:
+    dL/dz_j = (1/tau) * (sum_k g_k [i_k = j]  -  (sum_k g_k) pi_j  -  gE pi_j (log pi_j + E)),   pi_j = exp(z_j - lse)
+  g is the same on every rank; pi_j is recomputed chunk-wise from the saved logits (their own dtype) and lse, and
+  each rank scatter-adds only the g_k of the ids it owns (duplicates add up, as the single-device gather's backward).
+
+``global_topk``  (1 collective) the student's own top-k ids: local top-k, one all_gather of [values | ids], global
+  top-k of the P*k candidates.
+
+``jsd_totals`` / ``jsd_logit_grad``  (1 collective / none) the full-vocabulary JSD, student and teacher sharded alike:
+    J = sum_j phi(s_j, t_j),  A = sum_j a_j  (a_j = d phi / d s_j)       one all-reduce SUM of [N, 2]
+    dJ/dz_j = (1/tau) * grad * (a_j - pi_j A)                           (the log-softmax backward; no collective)
+  phi and a are the one kernel of ``ops.divergence`` (endpoint rules included), summed column chunk by chunk.
+
+Padding columns (global id >= vocab_size) are never read: no mass, no top-k candidate, gradient 0.  Rows where
+``live`` is False (masked positions) are replaced by zeros as they are read, and their g by 0, so whatever they hold
+reaches no value and no gradient.  Each stage walks the rows in chunks of about ``shard.CHUNK_ELEMENTS`` logits, so
+no fp32 copy of a whole low-precision ``[N, Vl]`` block exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops.divergence import divergence, divergence_grad
+from .shard import VocabShard, all_gather_cat, all_reduce_, all_reduce_max_checked, row_chunks
+
+
+def scaled(x: torch.Tensor, tau: float, dtype: torch.dtype, live: torch.Tensor | None = None) -> torch.Tensor:
+    """z = x / tau in the compute dtype (the arithmetic of ``ops.topk.student_logprobs_at``); dead rows -> 0."""
+    z = x.to(dtype)
+    z = z / tau if tau != 1.0 else z
+    return z if live is None else torch.where(live[:, None], z, 0.0)
+
+
+def block(x: torch.Tensor, rows: slice, w: int, tau: float, dtype, live: torch.Tensor | None = None) -> torch.Tensor:
+    """One row chunk of this rank's real columns, scaled: ``scaled(x[rows, :w], ...)``."""
+    return scaled(x[rows, :w], tau, dtype, None if live is None else live[rows])
+
+
+def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owned [N, K] bool, local index [N, K]): ids not in this rank's real columns map to local index 0."""
+    owned = (ids >= shard.start) & (ids < shard.start + shard.width)
+    return owned, torch.where(owned, ids - shard.start, 0)
+
+
+def lse_and_gather(
+    shard: VocabShard,
+    xs: tuple[torch.Tensor, ...],
+    ids: torch.Tensor | None,
+    tau: float,
+    dtype: torch.dtype,
+    *,
+    live: torch.Tensor | None = None,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(lse [N, X], z/tau of xs[0] at ids [N, K] (None without ids), entropy of xs[0] [N] (None unless asked)).
+
+    ``xs``: X logit blocks ``[N, Vl]`` sharded the same way (the JSD passes student and teacher); ``live`` [N] bool.
+    Two collectives in all: an all-reduce MAX of [N, X] and an all-reduce SUM of [N, X + K (+ 1)].
+    """
+    n, w, nx = xs[0].shape[0], shard.width, len(xs)
+    k = 0 if ids is None else ids.shape[1]
+    dev = xs[0].device
+    chunks = list(row_chunks(n, w)) if w > 0 else []
+    m = torch.full((n, nx), float("-inf"), dtype=dtype, device=dev)
+    for rows in chunks:
+        for i, x in enumerate(xs):
+            m[rows, i] = block(x, rows, w, tau, dtype, live).amax(-1)
+    m = all_reduce_max_checked(m, shard)  # collective 1: the global max (and the layout check)
+    m = torch.where(torch.isfinite(m), m, 0.0)  # rows of -inf only (or NaN): keep exp() finite, as torch.logsumexp
+    buf = torch.zeros((n, nx + k + int(entropy)), dtype=dtype, device=dev)  # [N, X + K (+1)]: S, z at ids, T
+    if k and w > 0:
+        owned, local = owned_local_ids(shard, ids)
+        picked = scaled(xs[0].gather(1, local), tau, dtype, live)
+        buf[:, nx : nx + k] = torch.where(owned, picked, 0.0)
+    for rows in chunks:
+        for i, x in enumerate(xs):
+            d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
+            e = torch.exp(d)
+            buf[rows, i] = e.sum(-1)
+            if entropy and i == 0:
+                buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
+    all_reduce_(buf, dist.ReduceOp.SUM, shard)  # collective 2: sums, owned logits and entropy terms, one message
+    lse = m + torch.log(buf[:, :nx])
+    ent = torch.log(buf[:, 0]) - buf[:, -1] / buf[:, 0] if entropy else None
+    return lse, (buf[:, nx : nx + k] if ids is not None else None), ent
+
+
+def logit_grad(
+    shard: VocabShard,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    tau: float,
+    *,
+    live: torch.Tensor | None = None,
+    g_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dL/dx [N, Vl] from g = dL/ds [N, K] (and gE = dL/dE [N] with the entropy E [N]); see the module docstring.
+
+    ``lse`` [N] (its dtype is the compute dtype).  ``out``: where to write (default a new tensor in x's dtype);
+    ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer).
+    Padding columns get 0.  No collective.
+    """
+    dtype = lse.dtype
+    out = torch.zeros_like(x) if out is None else out
+    w = shard.width
+    out[:, w:] = 0
+    if w == 0 or x.shape[0] == 0:
+        return out
+    if live is not None:  # dead rows get no gradient, whatever the upstream gradient holds there
+        g = torch.where(live[:, None], g, 0.0)
+        g_entropy = None if g_entropy is None else torch.where(live, g_entropy, 0.0)
+    owned, local = owned_local_ids(shard, ids)
+    g_owned = torch.where(owned, g, 0.0).to(dtype)  # [N, K] other ranks' ids add 0 at local index 0
+    g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
+    for rows in row_chunks(x.shape[0], w):
+        logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
+        pi = torch.exp(logp)
+        if g_entropy is None:
+            grad = (-g_sum[rows]) * pi
+        else:  # -(sum g) pi - gE pi (log pi + E)
+            grad = pi * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
+        grad.scatter_add_(1, local[rows], g_owned[rows])  # duplicates add up, as in gather's backward
+        if tau != 1.0:
+            grad = grad / tau
+        out[rows, :w] = grad.to(out.dtype)
+    return out
+
+
+def global_topk(shard: VocabShard, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The student's own top-k ids [N, k] over the whole vocabulary: local top-k, one all_gather, global top-k.
+
+    Top-k of x equals top-k of log_softmax(x / tau) (monotone).  Values and ids travel in one message of the compute
+    dtype: fp32 holds bf16/fp16/fp32 logits exactly and ids below 2**24; fp64 logits or a larger vocabulary use fp64.
+    Ties between equal logits may pick a different id than a single-device ``torch.topk`` (its order is unspecified).
+    """
+    n, w = x.shape[0], shard.width
+    if shard.size == 1 and w >= k:  # one shard: the local top-k is the answer
+        return torch.topk(x[:, :w], k, dim=-1).indices
+    exact = torch.float32 if x.dtype != torch.float64 and shard.vocab_size <= 1 << 24 else torch.float64
+    cand = torch.full((n, 2 * k), float("-inf"), dtype=exact, device=x.device)  # [values | ids]
+    cand[:, k:] = -1.0
+    kl = min(k, w)
+    if kl > 0:
+        for rows in row_chunks(n, w):
+            v, i = torch.topk(x[rows, :w], kl, dim=-1)
+            cand[rows, :kl] = v.to(exact)
+            cand[rows, k : k + kl] = (i + shard.start).to(exact)
+    both = all_gather_cat(cand.unsqueeze(0), shard, dim=0)  # collective: [P, N, 2k]
+    values = both[..., :k].permute(1, 0, 2).reshape(n, shard.size * k)  # [N, P*k]
+    cand_ids = both[..., k:].permute(1, 0, 2).reshape(n, shard.size * k)
+    best = torch.topk(values, k, dim=-1).indices
+    return cand_ids.gather(1, best).long()
+
+
+def _log_probs_pair(xs, xt, lse, rows, w, tau):
+    """(s, t) = log pi, log nu on one row chunk of this rank's columns, from the all-reduced lse [N, 2]."""
+    return block(xs, rows, w, tau, lse.dtype) - lse[rows, 0:1], block(xt, rows, w, tau, lse.dtype) - lse[rows, 1:2]
+
+
+def jsd_totals(
+    shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor, tau: float, beta: float
+) -> torch.Tensor:
+    """(J, A) [N, 2] of the full-vocabulary JSD from student / teacher logits sharded alike, lse [N, 2] from
+    ``lse_and_gather(shard, (xs, xt), None, ...)``.  One all-reduce SUM.
+
+        J = sum_j phi(s_j, t_j)    the per-token divergence (``ops.divergence.divergence``, summed by columns)
+        A = sum_j a_j,             a_j = d phi / d s_j (``ops.divergence.divergence_grad``), for the backward
+    """
+    n, w = xs.shape[0], shard.width
+    totals = torch.zeros((n, 2), dtype=lse.dtype, device=xs.device)
+    for rows in row_chunks(n, w) if w > 0 else ():
+        s, t = _log_probs_pair(xs, xt, lse, rows, w, tau)
+        totals[rows, 0] = divergence(t, s, "jsd", beta)
+        totals[rows, 1] = divergence_grad(t, s, "jsd", beta).sum(-1)
+    return all_reduce_(totals, dist.ReduceOp.SUM, shard)
+
+
+def jsd_logit_grad(
+    shard: VocabShard,
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    lse: torch.Tensor,
+    A: torch.Tensor,
+    grad: torch.Tensor,
+    tau: float,
+    beta: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dJ/dxs [N, Vl] for the incoming grad [N]: the log-softmax backward of phi with the all-reduced A,
+
+        dJ/dxs_j = grad * (1/tau) * (a_j - pi_j A),     pi_j = exp(s_j)
+
+    chunk-wise from the saved logits; ``out`` as ``logit_grad`` (``out=xs`` overwrites in place).  No collective.
+    """
+    out = torch.zeros_like(xs) if out is None else out
+    w = shard.width
+    out[:, w:] = 0
+    grad = grad.to(lse.dtype)
+    for rows in row_chunks(xs.shape[0], w) if w > 0 else ():
+        s, t = _log_probs_pair(xs, xt, lse, rows, w, tau)
+        g = grad[rows, None] * (divergence_grad(t, s, "jsd", beta) - torch.exp(s) * A[rows, None])
+        if tau != 1.0:
+            g = g / tau
+        out[rows, :w] = g.to(out.dtype)
+    return out
