@@ -118,8 +118,7 @@ CASES = [
     dict(loss_mode="sampled", estimator="k1", use_policy_gradient=True),
     dict(loss_mode="full", beta=0.3, temperature=0.9),
 ]
-PARALLEL = dict(topk_fn=vocab_parallel_topk_divergence, token_logprobs_fn=vocab_parallel_token_logprobs,
-                jsd_fn=vocab_parallel_generalized_jsd)
+PARALLEL = dict(vocab_size=V)  # selects the vocab-parallel back-end (one shard: the whole vocabulary)
 
 
 @pytest.mark.parametrize("poison", POISONS)
