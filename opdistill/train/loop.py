@@ -29,6 +29,7 @@ from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint, save_
 from opdistill.train.config import TrainerConfig, config_to_dict
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
+from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -179,6 +180,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, models=None, quiet
     torch.manual_seed(cfg.train.seed)
     tok, student, teacher = models if models is not None else load_models(cfg)
     task = build_task(cfg)
+    check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
     if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
