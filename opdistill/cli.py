@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as e:
             if args.debug:
                 traceback.print_exc()
-            print(f"opdistill {args.command}: error: {e}", file=sys.stderr)
+            print(f"opdistill {args.command}: {e.kind}: {e}", file=sys.stderr)
             return 2
     return 0
 

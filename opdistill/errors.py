@@ -13,18 +13,28 @@ __all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleM
 class UserError(Exception):
     """Base of the errors a user fixes; the message is one line that names the key, argument or file."""
 
+    kind = "error"  # the CLI prints "opdistill COMMAND: KIND: MESSAGE"
+
 
 class ConfigError(UserError, ValueError):
     """A configuration key is unknown, has the wrong type, or a bad value. The message starts with the dotted key."""
+
+    kind = "config error"
 
 
 class DataError(UserError, ValueError):
     """A data file is missing, empty or malformed. The message starts with the file (and line)."""
 
+    kind = "data error"
+
 
 class ModelError(UserError, ValueError):
-    """A model folder is missing or cannot be loaded. The message names the folder."""
+    """A model folder is missing or cannot be loaded. The message names the config key and the folder."""
+
+    kind = "model error"
 
 
 class IncompatibleModelsError(UserError, ValueError):
     """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
+
+    kind = "model error"

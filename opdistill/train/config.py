@@ -4,7 +4,7 @@ Every field is checked at load: types are strict (``2.5`` is not an int, ``"yes"
 finite and inside its bounds, unknown keys are refused, and rules that tie sections together (a teacher for
 distillation, K for top-k, no ``full`` mode) run right after. A failure raises :class:`ConfigError` (a
 ``ValueError``) with one line that names the dotted key, what it expects and what it got, e.g.
-``optim.lr: expected a finite number > 0, got 'abc'``. The ``loss`` section is the core
+``optim.lr: expected a number > 0, got 'abc'``. The ``loss`` section is the core
 :class:`opdistill.DistillationConfig`: its fields are type-checked the same way (from the dataclass's own
 annotations, so the schema has one home) and its own rules then run in its ``__post_init__``.
 
@@ -191,7 +191,7 @@ def _expected(field) -> str:
     if typing.get_origin(ann) is Literal:
         text = "one of " + "/".join(map(str, typing.get_args(ann)))
     else:
-        text = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                 dict: "a mapping"}.get(ann, str(ann))
     b = {k: getattr(m, k) for m in field.metadata for k in ("gt", "ge", "lt", "le") if hasattr(m, k)}
     lo, hi = b.get("ge", b.get("gt")), b.get("le", b.get("lt"))
@@ -229,6 +229,8 @@ def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -
     if cause is not None:
         return ConfigError(f"{key}: {cause}")
     expected = _expected(field) if field is not None else e["msg"].lower()
+    if e["type"] == "finite_number":  # inf is "a number > 0": say what is wrong with it
+        expected = expected.replace("a number", "a finite number", 1)
     return ConfigError(f"{key}: expected {expected}, got {e['input']!r}")
 
 
