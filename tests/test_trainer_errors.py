@@ -337,3 +337,15 @@ def test_cli_score_sampled_logprobs_are_the_next_tokens(cfg_file, tmp_path):
     valid = c["response_mask"][:, 1:].bool()  # positions whose next token is a response token
     assert valid.any()
     torch.testing.assert_close(c["scores"].sampled_logprobs[:, :-1][valid], expected[valid].float(), atol=1e-5, rtol=0)
+
+
+def test_incompatible_models_message_is_one_line_naming_every_difference():
+    from opdistill.models import IncompatibleModelsError, check_compatible
+
+    s, t = char_tokenizer(CARRY_ADD_CHARS), char_tokenizer(CARRY_ADD_CHARS + "x", chat_template="{{ bos_token }}")
+    with pytest.raises(IncompatibleModelsError) as e:
+        check_compatible(s, t)
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, UserError)
+    assert msg.startswith("model.teacher: student and teacher are not compatible for distillation: vocabulary "
+                          "differs: student has 18 tokens, teacher 19; only in teacher: ['x']; chat template differs")
