@@ -183,7 +183,7 @@ def _loss(data: Any) -> DistillationConfig:
 
 
 def _expected(field) -> str:
-    """What a field accepts, in words, from its annotation and bounds: 'a finite number in (0, 1]'."""
+    """What a field accepts, in words, from its annotation and bounds: 'a number in (0, 1]'."""
     ann, args = field.annotation, typing.get_args(field.annotation)
     nullable = type(None) in args
     if nullable:
