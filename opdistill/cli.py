@@ -4,6 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
+import warnings
+
+from opdistill.errors import ConfigError, UserError
 
 __all__ = ["main"]
 
@@ -20,8 +24,10 @@ def _quiet_transformers():
 
 def _cmd_train(args):
     from opdistill.train import load_config, run_training
+    from opdistill.train.preflight import check_model_folders
 
     cfg = load_config(args.config, args.overrides)
+    check_model_folders(cfg)
     summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
                       "final_eval": summary["final_eval"]}, indent=1))
@@ -41,9 +47,11 @@ def _cmd_eval(args):
     from opdistill.train import load_config
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.loop import run_eval, build_task, load_models
+    from opdistill.train.preflight import check_model_folders
     from opdistill.data import PromptSource
 
     cfg = load_config(args.config, args.overrides)
+    check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     tok, student, teacher = load_models(cfg)
@@ -66,18 +74,21 @@ def _cmd_plot(args):
 def _cmd_score(args):
     import torch
 
+    from opdistill.batch import shift_for_next_token
     from opdistill.data import PromptSource, render_prompt
     from opdistill.rollout import generate_rollouts
     from opdistill.teacher import TeacherScores, save_cache, score_teacher
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
+    from opdistill.train.preflight import check_model_folders
 
     cfg = load_config(args.config, args.overrides)
+    check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     tok, student, teacher = load_models(cfg)
     if teacher is None:
-        raise SystemExit("opdistill score: model.teacher is not set")
+        raise ConfigError("model.teacher: expected a model folder to score with, got None")
     task = build_task(cfg)
     problems = PromptSource(task, cfg.train.seed).batch(0, args.num_prompts)
     prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
@@ -86,8 +97,7 @@ def _cmd_score(args):
     ro = generate_rollouts(writer, tok, prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                            batch_size=cfg.rollout.batch_size)
-    targets = torch.zeros_like(ro.input_ids)
-    targets[:, :-1] = ro.input_ids[:, 1:]
+    targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
     scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores,
@@ -97,7 +107,17 @@ def _cmd_score(args):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opdistill", description="Exact, memory-lean on-policy distillation.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
     sub = p.add_subparsers(dest="command", required=True)
+    # accepted after the command too; SUPPRESS keeps the top-level value when it is not given there
+    sub_add = sub.add_parser
+
+    def add_parser(*a, **k):
+        sp = sub_add(*a, **k)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return sp
+
+    sub.add_parser = add_parser
 
     t = sub.add_parser("train", help="train a student (on-policy distillation, off-policy KD or RL)",
                        description="Train from a YAML config; dotted.key=value arguments override it "
@@ -146,20 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"opdistill: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A user error (:class:`opdistill.errors.UserError`: a config key, a data file, a model folder)
+    prints one line and returns 2; ``--debug`` adds its traceback. Any other exception is a bug and propagates."""
     args = build_parser().parse_args(argv)
     _quiet_transformers()
-    from opdistill.train.config import ConfigError
-    from opdistill.train.rundir import RunError
-
-    try:
-        args.fn(args)
-    except ConfigError as e:
-        print(f"opdistill {args.command}: config error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:  # run directory, checkpoint or non-finite refusals (opdistill/train/rundir.py)
-        print(f"opdistill {args.command}: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        if not args.debug:
+            warnings.showwarning = _one_line_warning
+        try:
+            args.fn(args)
+        except UserError as e:
+            if args.debug:
+                traceback.print_exc()
+            print(f"opdistill {args.command}: {e.kind}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,9 +23,12 @@ from pathlib import Path
 import torch
 
 from opdistill.fused import read_lm_head
+from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
 __all__ = [
     "IncompatibleModelsError",
+    "ModelError",
+    "model_folder",
     "load_model",
     "load_tokenizer",
     "check_compatible",
@@ -37,8 +41,33 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-class IncompatibleModelsError(ValueError):
-    """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "org/name"
+
+
+def model_folder(path: str | os.PathLike, key: str | None = None) -> str:
+    """``path`` if it is a transformers model folder (or could be a hub id); else a one-line :class:`ModelError`
+    naming ``key`` (the config key, e.g. ``model.student``) and the path."""
+    where = f"{key}: " if key else "model folder: "
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{where}'{path}' holds no config.json (expected a transformers model folder)")
+        return str(p)
+    if p.exists():
+        raise ModelError(f"{where}'{path}' is a file, expected a model folder")
+    if not _HUB_ID.match(str(path)):
+        raise ModelError(f"{where}no such folder '{path}'")
+    return str(path)  # a hub id: loaded where a network exists
+
+
+def _from_pretrained(load, path, key):
+    folder = model_folder(path, key)
+    try:
+        return load(folder)
+    except (OSError, ValueError) as e:  # transformers' missing-file / hub / bad-config errors: their first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"{key}: " if key else "model folder: "
+        raise ModelError(f"{where}cannot load '{path}' ({first})") from e
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -47,10 +76,10 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False):
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False, key: str | None = None):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    tok = _from_pretrained(lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code), path, key)
     if tok.pad_token_id is None:
         # generate() and right-padded batches need a pad id; the eos token is the usual stand-in and is never trained
         # on as padding because every padded slot is masked.
@@ -58,13 +87,14 @@ def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_code: bool = False):
-    """AutoModelForCausalLM from a local folder (or hub name where a network exists), safetensors only, eval mode."""
+def load_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_code: bool = False,
+               key: str | None = None):
+    """AutoModelForCausalLM from a local folder (or hub name where a network exists), safetensors only, eval mode.
+    A missing or unloadable folder is a :class:`ModelError` naming ``key`` (e.g. ``model.student``) and the path."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
-    )
+    model = _from_pretrained(lambda p: AutoModelForCausalLM.from_pretrained(
+        p, dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code), path, key)
     model.eval()
     return model
 
@@ -120,7 +150,8 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
         if s_out < len(student_tokenizer):
             problems.append(f"student lm_head has {s_out} rows but its tokenizer has {len(student_tokenizer)} tokens")
     if problems:
-        raise IncompatibleModelsError("student and teacher are not compatible for distillation:\n  - " + "\n  - ".join(problems))
+        raise IncompatibleModelsError("model.teacher: student and teacher are not compatible for distillation: "
+                                      + "; ".join(problems))
 
 
 def char_tokenizer(chars: str, *, chat_template: str | None = None):
@@ -174,7 +205,8 @@ def truncate_layers(model, num_layers: int):
     base = getattr(model, model.base_model_prefix)
     n = len(base.layers)
     if not 1 <= num_layers <= n:
-        raise ValueError(f"num_layers: expected 1..{n} for this model, got {num_layers}")
+        raise ConfigError(f"model.student_from_teacher_layers: expected 1..{n} (the layers of this model), "
+                          f"got {num_layers}")
     base.layers = base.layers[:num_layers]
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None) is not None:

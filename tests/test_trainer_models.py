@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from opdistill.data import CARRY_ADD_CHARS
+from opdistill.errors import ConfigError
 from opdistill.models import (IncompatibleModelsError, build_tiny_llama, char_tokenizer, check_compatible, load_model,
                               load_tokenizer, truncate_layers)
 from tests.trainer_helpers import make_model_dir
@@ -53,7 +54,7 @@ def test_load_roundtrip_and_trainer_refuses_mismatch(tmp_path):
     m = load_model(sdir)
     assert not m.training and next(m.parameters()).dtype == torch.float32
     assert load_tokenizer(sdir).pad_token_id == 0
-    cfg = load_config(base={"model": {"student": sdir, "teacher": tdir}})
+    cfg = load_config(base={"model": {"student": sdir, "teacher": tdir}, "loss": {"topk": 4}})
     with pytest.raises(IncompatibleModelsError, match="vocabulary differs"):
         load_models(cfg)
 
@@ -64,5 +65,5 @@ def test_truncate_layers():
     truncate_layers(m, 1)
     assert len(m.model.layers) == 1 and m.config.num_hidden_layers == 1
     m(torch.tensor([[1, 5, 6]]))
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ConfigError, match=r"^model\.student_from_teacher_layers: expected 1\.\.1 \(the layers of this model\), got 2$"):
         truncate_layers(m, 2)

@@ -16,9 +16,12 @@ student's own samples (on-policy) is supposed to matter.
 from __future__ import annotations
 
 import abc
+import inspect
 import random
 import re
 from dataclasses import dataclass
+
+from opdistill.errors import ConfigError
 
 __all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "make_task", "CARRY_ADD_CHARS"]
 
@@ -105,7 +108,15 @@ class GsmSymbolicTask(Task):
 
 
 def make_task(name: str, **kwargs) -> Task:
+    """The task ``name`` built with ``kwargs`` (``data.task_args``); a bad argument is a ConfigError naming the key."""
     tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask}
     if name not in tasks:
-        raise ValueError(f"data.task: expected one of {sorted(tasks)}, got {name!r}")
-    return tasks[name](**kwargs)
+        raise ConfigError(f"data.task: expected one of {sorted(tasks)}, got {name!r}")
+    params = [p for p in inspect.signature(tasks[name]).parameters]
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise ConfigError(f"data.task_args: {name} takes {params}, got unknown {unknown}")
+    try:
+        return tasks[name](**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"data.task_args: {e}") from None

@@ -1,280 +1,253 @@
-"""Typed trainer configuration: one dataclass per concern, loaded from YAML with dotted overrides.
+"""Typed trainer configuration: one pydantic model per concern, loaded from YAML with dotted overrides.
 
-Every field is checked at construction; an unknown key, a wrong type or a bad value raises :class:`ConfigError`
-(a ``ValueError``) whose message starts with the dotted key, e.g. ``rollout.temperature: expected a number > 0,
-got -1``. The ``loss`` section is the core :class:`opdistill.DistillationConfig` and is validated by it.
+Every field is checked at load: types are strict (``2.5`` is not an int, ``"yes"`` is not a bool), every number is
+finite and inside its bounds, unknown keys are refused, and rules that tie sections together (a teacher for
+distillation, K for top-k, no ``full`` mode) run right after. A failure raises :class:`ConfigError` (a
+``ValueError``) with one line that names the dotted key, what it expects and what it got, e.g.
+``optim.lr: expected a number > 0, got 'abc'``. The ``loss`` section is the core
+:class:`opdistill.DistillationConfig`: its fields are type-checked the same way (from the dataclass's own
+annotations, so the schema has one home) and its own rules then run in its ``__post_init__``.
+
+Checks that need the loaded models (K against the vocabulary, prompt length against the model's positions, fp16
+weights) live in :mod:`opdistill.train.preflight`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
+import re
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from opdistill import DistillationConfig
+from opdistill.errors import ConfigError
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
            "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
 
-METHODS = ("on_policy", "off_policy", "rl")
+Method = Literal["on_policy", "off_policy", "rl"]
+SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
 
 
-class ConfigError(ValueError):
-    """A configuration key is unknown, has the wrong type, or a bad value. The message names the dotted key."""
+class _Section(BaseModel):
+    # strict: no silent str -> int or 1 -> True; frozen: a config never changes under a running loop
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _check(cond: bool, key: str, expected: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     student: str = ""  # folder (or hub name) of the student; "builtin:demo-student" for the packaged demo model
     teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"
-    student_from_teacher_layers: Optional[int] = None  # build the student from the teacher's first N layers
-    dtype: str = "float32"
+    student_from_teacher_layers: Optional[int] = Field(None, ge=1)  # the student = the teacher's first N layers
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float16 training is refused
     trust_remote_code: bool = False
 
-    def __post_init__(self):
-        _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "model.dtype",
-               "one of float32/bfloat16/float16/float64", self.dtype)
-        _check(self.student_from_teacher_layers is None or self.student_from_teacher_layers >= 1,
-               "model.student_from_teacher_layers", "an int >= 1 or null", self.student_from_teacher_layers)
 
-
-@dataclass(frozen=True)
-class DataConfig:
-    task: str = "carry_add"  # carry_add | gsm_symbolic | dataset
-    task_args: dict = field(default_factory=dict)  # keyword arguments of the task generator
-    path: Optional[str] = None  # local jsonl/parquet/csv for task "dataset"
+class DataConfig(_Section):
+    task: Literal["carry_add", "gsm_symbolic", "dataset"] = "carry_add"
+    task_args: dict = {}  # keyword arguments of the task generator
+    path: Optional[str] = None  # local jsonl/json/csv/parquet file for task "dataset"
     prompt_field: str = "prompt"
     answer_field: Optional[str] = None
     use_chat_template: bool = True
-    prompts_per_step: int = 16
-    eval_seed: int = 0  # the held-out set and the evaluation's sampling stream (independent of train.seed)
+    prompts_per_step: int = Field(16, ge=1)
+    eval_seed: int = Field(0, ge=0, le=SEED_MAX)  # the held-out set and the evaluation's sampling stream
     teacher_cache: Optional[str] = None  # off_policy only: train on the rows of an `opdistill score` cache, in order
+    overlong: Literal["error", "truncate"] = "error"  # a dataset prompt longer than the model allows
 
-    def __post_init__(self):
-        _check(self.task in ("carry_add", "gsm_symbolic", "dataset"), "data.task",
-               "one of carry_add/gsm_symbolic/dataset", self.task)
-        _check(self.task != "dataset" or bool(self.path), "data.path", "a file path when data.task is 'dataset'",
-               self.path)
-        _check(self.prompts_per_step >= 1, "data.prompts_per_step", "an int >= 1", self.prompts_per_step)
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    n: int = 4  # samples per prompt (a GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64
-    batch_size: Optional[int] = None  # prompts per generate() call; None = all at once
-
-    def __post_init__(self):
-        _check(self.n >= 1, "rollout.n", "an int >= 1", self.n)
-        _check(self.temperature > 0 and math.isfinite(self.temperature), "rollout.temperature", "a number > 0",
-               self.temperature)
-        _check(0 < self.top_p <= 1, "rollout.top_p", "a number in (0, 1]", self.top_p)
-        _check(self.top_k >= 0, "rollout.top_k", "an int >= 0 (0 = off)", self.top_k)
-        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an int >= 1", self.max_new_tokens)
-        _check(self.batch_size is None or self.batch_size >= 1, "rollout.batch_size", "an int >= 1 or null",
-               self.batch_size)
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.task == "dataset" and not self.path:
+            raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {self.path!r}")
+        return self
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_steps: int = 0
-    schedule: str = "cosine"  # cosine | constant (after warmup)
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
-    grad_clip: Optional[float] = 1.0
-
-    def __post_init__(self):
-        _check(self.lr > 0 and math.isfinite(self.lr), "optim.lr", "a number > 0", self.lr)
-        _check(self.weight_decay >= 0, "optim.weight_decay", "a number >= 0", self.weight_decay)
-        _check(0 <= self.beta1 < 1, "optim.beta1", "a number in [0, 1)", self.beta1)
-        _check(0 <= self.beta2 < 1, "optim.beta2", "a number in [0, 1)", self.beta2)
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", "an int >= 0", self.warmup_steps)
-        _check(self.schedule in ("cosine", "constant"), "optim.schedule", "cosine or constant", self.schedule)
-        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
-        _check(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip", "a number > 0 or null",
-               self.grad_clip)
+class RolloutConfig(_Section):
+    n: int = Field(4, ge=1)  # samples per prompt (a GRPO group)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    max_new_tokens: int = Field(64, ge=1)
+    batch_size: Optional[int] = Field(None, ge=1)  # prompts per generate() call; None = all at once
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    method: str = "on_policy"  # on_policy | off_policy (teacher-written samples) | rl (verifier reward only)
-    steps: int = 100
-    max_time_s: Optional[float] = None  # wall-clock budget of the training phases (eval excluded)
-    micro_batch_tokens: int = 4096  # token budget of a micro-batch (rows x padded length)
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"  # after warmup
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+
+
+class TrainConfig(_Section):
+    method: Method = "on_policy"  # on_policy | off_policy (teacher-written samples) | rl (verifier reward only)
+    steps: int = Field(100, ge=0)
+    max_time_s: Optional[float] = Field(None, gt=0)  # wall-clock budget of the training phases (eval excluded)
+    micro_batch_tokens: int = Field(4096, ge=1)  # token budget of a micro-batch (rows x padded length)
     bf16: bool = False  # autocast the student forward in bfloat16
     fused_lm_head: bool = False  # fused lm_head + loss (opdistill.fused): no [tokens, vocab] logits buffer
-    seed: int = 0
-    threads: Optional[int] = None  # torch.set_num_threads; None = leave torch's default
-    max_nonfinite_steps: int = 3  # this many steps in a row with a NaN/inf loss or gradient norm stop the run
-
-    def __post_init__(self):
-        _check(self.method in METHODS, "train.method", "one of " + "/".join(METHODS), self.method)
-        _check(self.steps >= 0, "train.steps", "an int >= 0", self.steps)
-        _check(self.max_time_s is None or self.max_time_s > 0, "train.max_time_s", "a number > 0 or null",
-               self.max_time_s)
-        _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "an int >= 1", self.micro_batch_tokens)
-        _check(self.threads is None or self.threads >= 1, "train.threads", "an int >= 1 or null", self.threads)
-        _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "an int >= 1", self.max_nonfinite_steps)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
+    threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
+    max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
 
 
-@dataclass(frozen=True)
-class EvalConfig:
-    every: int = 0  # evaluate every N steps (0 = only before and after training)
-    num_prompts: int = 200
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)  # evaluate every N steps (0 = only before and after training)
+    num_prompts: int = Field(200, ge=0)
     greedy: bool = True
     sampled: bool = True
-    topk: int = 8  # for the overlap / mass diagnostics
-    batch_size: int = 256
-    max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
-
-    def __post_init__(self):
-        _check(self.every >= 0, "eval.every", "an int >= 0", self.every)
-        _check(self.num_prompts >= 0, "eval.num_prompts", "an int >= 0", self.num_prompts)
-        _check(self.topk >= 1, "eval.topk", "an int >= 1", self.topk)
-        _check(self.batch_size >= 1, "eval.batch_size", "an int >= 1", self.batch_size)
+    topk: int = Field(8, ge=1)  # for the overlap / mass diagnostics
+    batch_size: int = Field(256, ge=1)
+    max_new_tokens: Optional[int] = Field(None, ge=1)  # default: rollout.max_new_tokens
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every: int = 0  # save every N steps (0 = only at the end)
-    keep_last: int = 2
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0)  # save every N steps (0 = only at the end)
+    keep_last: int = Field(2, ge=1)
     save_final: bool = True
 
-    def __post_init__(self):
-        _check(self.every >= 0, "checkpoint.every", "an int >= 0", self.every)
-        _check(self.keep_last >= 1, "checkpoint.keep_last", "an int >= 1", self.keep_last)
 
-
-@dataclass(frozen=True)
-class LogConfig:
+class LogConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(_Section):
     run_dir: str = "runs/run"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    loss: DistillationConfig = field(default_factory=DistillationConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    loss: DistillationConfig = Field(default_factory=DistillationConfig)  # built by load_config (see _loss)
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
 
-    def __post_init__(self):
-        _check(bool(self.model.student), "model.student", "a model folder", self.model.student)
-        if self.train.method == "rl":
-            _check(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
-                   self.rollout.n)
+    @model_validator(mode="after")
+    def _rules(self):
+        method, lc = self.train.method, self.loss
+
+        def need(cond: bool, key: str, expected: str, value: Any) -> None:
+            if not cond:
+                raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+        need(bool(self.model.student), "model.student", "a model folder", self.model.student)
+        if method == "rl":
+            need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
+                 self.rollout.n)
         else:
-            _check(bool(self.model.teacher), "model.teacher", f"a model folder for method {self.train.method}",
-                   self.model.teacher)
-        if self.train.method == "off_policy":
+            need(bool(self.model.teacher), "model.teacher", f"a model folder for method {method}", self.model.teacher)
+            need(lc.loss_mode != "full", "loss.loss_mode", "topk or sampled in the trainer (full needs the teacher's "
+                 "[tokens, vocab] logits at every step, which the trainer does not keep)", lc.loss_mode)
+            need(lc.loss_mode != "topk" or lc.topk is not None, "loss.topk",
+                 "an int >= 1 with loss.loss_mode topk (the K of the teacher's top-k, e.g. 8)", lc.topk)
+        if method == "off_policy":
             # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
-            _check(not self.loss.use_policy_gradient and not self.loss.use_task_rewards, "loss.use_policy_gradient",
-                   "false (and loss.use_task_rewards false) for method off_policy", self.loss.use_policy_gradient)
+            need(not lc.use_policy_gradient and not lc.use_task_rewards, "loss.use_policy_gradient",
+                 "false (and loss.use_task_rewards false) for method off_policy", lc.use_policy_gradient)
         if self.data.teacher_cache is not None:
-            _check(self.train.method == "off_policy", "data.teacher_cache",
-                   "set only with train.method off_policy (on-policy samples cannot come from a cache)",
-                   self.data.teacher_cache)
-            _check(self.loss.loss_mode in ("topk", "sampled"), "loss.loss_mode",
-                   "topk or sampled when training from data.teacher_cache", self.loss.loss_mode)
-        if self.train.method == "rl" or self.loss.use_task_rewards:
-            _check(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
-                   "a column name: rewards need a verifier (method rl or loss.use_task_rewards)",
-                   self.data.answer_field)
-        if self.loss.use_task_rewards:
-            _check(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
+            need(method == "off_policy", "data.teacher_cache",
+                 "set only with train.method off_policy (on-policy samples cannot come from a cache)",
+                 self.data.teacher_cache)
+        if method == "rl" or lc.use_task_rewards:
+            need(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
+                 "a column name: rewards need a verifier (method rl or loss.use_task_rewards)", self.data.answer_field)
+        if lc.use_task_rewards:
+            need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
+        return self
 
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+# The loss section: the DistillationConfig dataclass's own fields and defaults, type-checked like the sections above.
+_LOSS_HINTS = typing.get_type_hints(DistillationConfig)
+_LossFields = create_model("loss", __base__=_Section, **{
+    f.name: (_LOSS_HINTS[f.name], f.default if f.default is not dataclasses.MISSING else Field(
+        default_factory=f.default_factory)) for f in dataclasses.fields(DistillationConfig)})
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], key)
-    if tp is bool:
-        _check(isinstance(value, bool), key, "true or false", value)
-        return value
-    if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, str), key, "a string", value)
-        return value
-    if tp is dict or origin is dict:
-        _check(isinstance(value, dict), key, "a mapping", value)
-        return dict(value)
-    return value
-
-
-def _build(cls, data: Any, prefix: str):
-    _check(isinstance(data, dict), prefix or "config", "a mapping", data)
-    if cls is DistillationConfig:
-        try:
-            return DistillationConfig.from_dict(dict(data))
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"{prefix}: {e}") from e
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown key (known keys{' of ' + prefix if prefix else ''}: {names})")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(value, tp, key)
+def _loss(data: Any) -> DistillationConfig:
+    fields = _LossFields.model_validate(data)  # raises ValidationError with locs relative to "loss"
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{prefix}: {e}") from e
+        return DistillationConfig(**dict(fields))
+    except (ValueError, TypeError) as e:  # DistillationConfig's own rules: "topk must be ..." -> "loss.topk: must be"
+        msg = str(e)
+        name = msg.split(" ", 1)[0]
+        raise ConfigError(f"loss.{name}: {msg.split(' ', 1)[1]}" if name in _LossFields.model_fields else
+                          f"loss: {msg}") from None
 
 
-def config_to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+def _expected(field) -> str:
+    """What a field accepts, in words, from its annotation and bounds: 'a number in (0, 1]'."""
+    ann, args = field.annotation, typing.get_args(field.annotation)
+    nullable = type(None) in args
+    if nullable:
+        ann = next(a for a in args if a is not type(None))
+    if typing.get_origin(ann) is Literal:
+        text = "one of " + "/".join(map(str, typing.get_args(ann)))
+    else:
+        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                dict: "a mapping"}.get(ann, str(ann))
+    b = {k: getattr(m, k) for m in field.metadata for k in ("gt", "ge", "lt", "le") if hasattr(m, k)}
+    lo, hi = b.get("ge", b.get("gt")), b.get("le", b.get("lt"))
+    if lo is not None and hi is not None:
+        text += f" in {'[' if 'ge' in b else '('}{lo}, {hi}{']' if 'le' in b else ')'}"
+    elif lo is not None:
+        text += f" {'>=' if 'ge' in b else '>'} {lo}"
+    elif hi is not None:
+        text += f" {'<=' if 'le' in b else '<'} {hi}"
+    return text + (" or null" if nullable else "")
+
+
+def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -> ConfigError:
+    """The first pydantic error as one line: 'dotted.key: expected WHAT, got VALUE' (or the rule that failed)."""
+    e = err.errors()[0]
+    loc = prefix + tuple(e["loc"])
+    key = ".".join(map(str, loc)) or "config"
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):  # a rule of a model_validator: already one line naming its key
+        return ConfigError(str(cause))
+    section, field = root, None  # walk the key path to the field (and the section holding it)
+    path = loc[len(prefix):]
+    for i, part in enumerate(path):
+        field = getattr(section, "model_fields", {}).get(part)
+        if field is None:
+            break
+        if i < len(path) - 1:
+            section = field.annotation
+    if e["type"] == "extra_forbidden":
+        where = ".".join(map(str, loc[:-1]))
+        return ConfigError(f"{key}: unknown key (known keys{' of ' + where if where else ''}: {list(section.model_fields)})")
+    if len(loc) == len(prefix) or (field is not None and isinstance(field.annotation, type)
+                                   and issubclass(field.annotation, BaseModel)):
+        return ConfigError(f"{key}: expected a mapping of {key}.* keys, got {e['input']!r}")
+    if cause is not None:
+        return ConfigError(f"{key}: {cause}")
+    expected = _expected(field) if field is not None else e["msg"].lower()
+    if e["type"] == "finite_number":  # inf is "a number > 0": say what is wrong with it
+        expected = expected.replace("a number", "a finite number", 1)
+    return ConfigError(f"{key}: expected {expected}, got {e['input']!r}")
+
+
+def config_to_dict(cfg: TrainerConfig) -> dict:
+    return cfg.model_dump()
+
+
+class _Yaml(yaml.SafeLoader):
+    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings)."""
+
+
+_Yaml.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                            list("-+0123456789"))
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict; returns a new dict."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
@@ -286,7 +259,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[parts[-1]] = yaml.load(raw, Loader=_Yaml) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}: cannot read {raw!r} as a YAML value") from None
     return out
 
 
@@ -294,12 +270,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     """TrainerConfig from a YAML file (or ``base`` dict) plus dotted overrides. Unknown keys are errors."""
     data = dict(base or {})
     if path is not None:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-        _check(isinstance(loaded, dict), str(path), "a YAML mapping at the top level", type(loaded).__name__)
+        try:
+            with open(path) as f:
+                loaded = yaml.load(f, Loader=_Yaml) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a YAML mapping at the top level, got {type(loaded).__name__}")
         data = _merge(data, loaded)
     data = apply_overrides(data, list(overrides))
-    return _build(TrainerConfig, data, "")
+    try:
+        if "loss" in data:
+            data["loss"] = _loss(data["loss"])
+    except ValidationError as e:
+        raise _one_line(e, _LossFields, ("loss",)) from None
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as e:
+        raise _one_line(e, TrainerConfig) from None
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -35,6 +35,7 @@ from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
+from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -252,6 +253,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         torch.manual_seed(cfg.train.seed)
         tok, student, teacher = models if models is not None else load_models(cfg)
         task = build_task(cfg)
+        check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training

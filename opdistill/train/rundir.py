@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from opdistill.errors import UserError
+
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
            "read_jsonl"]
@@ -52,9 +54,11 @@ RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoi
 _LOCK = ".lock"
 
 
-class RunError(Exception):
+class RunError(UserError):
     """A refusal of the run directory, a checkpoint or the run's state; the message is one line naming the file or
     key and the fix. The CLI prints it and exits 2."""
+
+    kind = "run error"
 
 
 class CheckpointError(RunError):

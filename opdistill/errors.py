@@ -1,0 +1,40 @@
+"""The user-error types: one home for every mistake a user can fix (a config key, a file, a model folder).
+
+The CLI catches :class:`UserError`, prints its message as one line and exits with status 2 (``--debug`` shows the
+traceback); any other exception is a bug and keeps its traceback. Messages name what to fix first: the dotted config
+key (``optim.lr: expected a number > 0, got -1``), or the file and line (``p.jsonl:3: not valid JSON ...``). The
+types are also ``ValueError`` so library callers that catch ``ValueError`` keep working.
+"""
+from __future__ import annotations
+
+__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError"]
+
+
+class UserError(Exception):
+    """Base of the errors a user fixes; the message is one line that names the key, argument or file."""
+
+    kind = "error"  # the CLI prints "opdistill COMMAND: KIND: MESSAGE"
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration key is unknown, has the wrong type, or a bad value. The message starts with the dotted key."""
+
+    kind = "config error"
+
+
+class DataError(UserError, ValueError):
+    """A data file is missing, empty or malformed. The message starts with the file (and line)."""
+
+    kind = "data error"
+
+
+class ModelError(UserError, ValueError):
+    """A model folder is missing or cannot be loaded. The message names the config key and the folder."""
+
+    kind = "model error"
+
+
+class IncompatibleModelsError(UserError, ValueError):
+    """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
+
+    kind = "model error"
