@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
-    print(f"opdistill: warning: {message}", file=sys.stderr if file is None else file)
+def _one_line_warning(message, category, filename, lineno, line=None):
+    return f"opdistill: warning: {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,16 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     prints one line and returns 2; ``--debug`` adds its traceback. Any other exception is a bug and propagates."""
     args = build_parser().parse_args(argv)
     _quiet_transformers()
-    with warnings.catch_warnings():
-        if not args.debug:
-            warnings.showwarning = _one_line_warning
-        try:
-            args.fn(args)
-        except UserError as e:
-            if args.debug:
-                traceback.print_exc()
-            print(f"opdistill {args.command}: {e.kind}: {e}", file=sys.stderr)
-            return 2
+    # the format, not the printer, is swapped: a caller that records warnings (pytest.warns) still records them
+    formatwarning = warnings.formatwarning
+    if not args.debug:
+        warnings.formatwarning = _one_line_warning
+    try:
+        args.fn(args)
+    except UserError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"opdistill {args.command}: {e.kind}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        warnings.formatwarning = formatwarning
     return 0
 
 

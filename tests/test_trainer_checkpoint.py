@@ -242,11 +242,11 @@ def test_eval_checkpoint_must_be_a_checkpoint_folder(tmp_path, model_dir, capsys
     cfg_file.write_text(yaml.safe_dump(cfg))
     assert main(["eval", "--config", str(cfg_file), "--checkpoint", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"opdistill eval: {tmp_path / 'model.safetensors'}: missing; --checkpoint must be a checkpoint folder "
+        f"opdistill eval: run error: {tmp_path / 'model.safetensors'}: missing; --checkpoint must be a checkpoint folder "
         f"(checkpoints/step_NNNNNNNN) holding model.safetensors")
     assert main(["eval", "--config", str(cfg_file), "--checkpoint", "latest"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"opdistill eval: no checkpoint under {tmp_path / 'run' / 'checkpoints'}")
+        f"opdistill eval: run error: no checkpoint under {tmp_path / 'run' / 'checkpoints'}")
 
 
 def test_manifest_must_match_its_folder(tmp_path, model_dir):

@@ -312,7 +312,7 @@ def test_cli_debug_shows_the_traceback(cfg_file, capsys):
 
 def test_cli_eval_without_checkpoint(cfg_file, tmp_path, capsys):
     assert main(["eval", "--config", str(cfg_file), "--checkpoint", "latest"]) == 2
-    assert capsys.readouterr().err == f"opdistill eval: error: --checkpoint latest: no checkpoint under {tmp_path}/run/checkpoints\n"
+    assert capsys.readouterr().err == f"opdistill eval: run error: no checkpoint under {tmp_path}/run/checkpoints\n"
 
 
 def test_cli_process_exit_code_and_stderr(cfg_file):

@@ -85,7 +85,7 @@ def test_overflow_mid_run_stops_with_exit_2_and_keeps_good_checkpoints(tmp_path,
     cfg_file = _cfg_file(tmp_path, steps=10, eval={"num_prompts": 0}, checkpoint={"every": 1, "keep_last": 10})
     assert main(["train", "--config", str(cfg_file)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "opdistill train: step 5: the loss or gradient norm was NaN/inf for 3 steps in a row "
+        "opdistill train: run error: step 5: the loss or gradient norm was NaN/inf for 3 steps in a row "
         "(train.max_nonfinite_steps=3); none of them was applied and the run is stopped (last checkpoint: step 4). "
         + CAUSES.format(lr=0.01))
     run = tmp_path / "run"
@@ -112,7 +112,7 @@ def test_exploding_learning_rate_stops_the_run_without_a_nan_checkpoint(tmp_path
                          optim={"lr": 1e30})
     assert main(["train", "--config", str(cfg_file)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("opdistill train: step ") and err.endswith(CAUSES.format(lr=1e30))
+    assert err.startswith("opdistill train: run error: step ") and err.endswith(CAUSES.format(lr=1e30))
     ckpts = list_checkpoints(tmp_path / "run")
     assert ckpts and all(_all_finite(c) for c in ckpts)
 
@@ -123,7 +123,7 @@ def test_non_finite_weights_stop_the_run_at_the_checkpoint(tmp_path, capsys):
                          optim={"weight_decay": 1e300})
     assert main(["train", "--config", str(cfg_file)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "opdistill train: step 1: weight model.embed_tokens.weight holds NaN/inf; the checkpoint is not written. "
+        "opdistill train: run error: step 1: weight model.embed_tokens.weight holds NaN/inf; the checkpoint is not written. "
         "Likely causes: fp16 overflow (use model.dtype=bfloat16 or float32), a learning rate too high (optim.lr), "
         "bad data or teacher scores")
     assert list_checkpoints(tmp_path / "run") == []

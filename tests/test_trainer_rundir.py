@@ -48,7 +48,7 @@ def test_fresh_train_on_a_run_is_refused_overwrite_replaces_it(cfg_file, tmp_pat
     before = (run / "metrics.jsonl").read_bytes()
     assert _train(cfg_file, "train.steps=1") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: run_dir {run} already holds a run (config.yaml, metrics.jsonl, checkpoints); continue it "
+        f"opdistill train: run error: run_dir {run} already holds a run (config.yaml, metrics.jsonl, checkpoints); continue it "
         f"with --resume, replace it with --overwrite, or choose another run_dir")
     assert (run / "metrics.jsonl").read_bytes() == before  # nothing touched
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
@@ -78,16 +78,16 @@ def test_resume_needs_a_run_and_a_checkpoint(cfg_file, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(cfg_file, "--resume") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: --resume: {run} holds no run (no config.yaml); start a new run without --resume")
+        f"opdistill train: run error: --resume: {run} holds no run (no config.yaml); start a new run without --resume")
     assert _train(cfg_file, "checkpoint.every=0", "checkpoint.save_final=false") == 0
     capsys.readouterr()
     assert _train(cfg_file, "--resume", "checkpoint.every=0", "checkpoint.save_final=false") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: no checkpoint under {run / 'checkpoints'}; start the run again with --overwrite, or use "
+        f"opdistill train: run error: no checkpoint under {run / 'checkpoints'}; start the run again with --overwrite, or use "
         f"another run_dir")
     assert _train(cfg_file, "--resume", "--overwrite") == 2
     assert _last_err_line(capsys) == (
-        "opdistill train: --resume and --overwrite contradict each other: --resume continues the run in run_dir, "
+        "opdistill train: run error: --resume and --overwrite contradict each other: --resume continues the run in run_dir, "
         "--overwrite deletes it")
 
 
@@ -102,7 +102,7 @@ def test_a_second_process_is_refused_by_the_lock(cfg_file, tmp_path, capsys):
         assert holder.stdout.readline() == b"held\n"
         assert _train(cfg_file) == 2
         assert _last_err_line(capsys) == (
-            f"opdistill train: run_dir {run} is in use by another opdistill process (it holds {run / '.lock'}); "
+            f"opdistill train: run error: run_dir {run} is in use by another opdistill process (it holds {run / '.lock'}); "
             f"wait for it to finish, or choose another run_dir")
         assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
     finally:
@@ -127,7 +127,7 @@ def test_symlinks_in_the_run_dir_are_refused_never_followed(cfg_file, tmp_path, 
     (run / entry).symlink_to(victim)
     assert _train(cfg_file) == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: {run / entry} is a symlink; opdistill never writes through links in a run directory "
+        f"opdistill train: run error: {run / entry} is a symlink; opdistill never writes through links in a run directory "
         f"(replace it with a regular file or folder, or use another run_dir)")
     assert _train(cfg_file, "--resume") == 2  # resume checks before reading anything too
     assert (victim.is_dir() and not any(victim.iterdir())) or victim.read_text() == "precious\n"
@@ -144,7 +144,7 @@ def test_symlinked_checkpoint_entry_is_refused_on_resume(cfg_file, tmp_path, cap
     (run / "checkpoints" / "step_00000009").symlink_to(elsewhere)
     assert _train(cfg_file, "--resume", "train.steps=3") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: {run / 'checkpoints' / 'step_00000009'} is a symlink; opdistill never writes through "
+        f"opdistill train: run error: {run / 'checkpoints' / 'step_00000009'} is a symlink; opdistill never writes through "
         f"links in a run directory (replace it with a regular file or folder, or use another run_dir)")
 
 
@@ -167,7 +167,7 @@ def test_resume_refuses_meaning_changes_with_the_full_diff(cfg_file, tmp_path, c
     assert _train(cfg_file, "--resume", "optim.lr=0.05", "loss.divergence=reverse", "train.seed=7",
                   "train.steps=3") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: --resume: the config changes what run {run} means: loss.divergence 'forward' -> "
+        f"opdistill train: run error: --resume: the config changes what run {run} means: loss.divergence 'forward' -> "
         f"'reverse', optim.lr 0.01 -> 0.05, train.seed 0 -> 7; only {', '.join(RESUMABLE_KEYS)} may change on "
         f"resume (start another run_dir, or use --overwrite to replace this run)")
     assert (run / "config.yaml").read_bytes() == config_before
