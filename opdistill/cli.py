@@ -90,7 +90,7 @@ def _cmd_score(args):
     targets[:, :-1] = ro.input_ids[:, 1:]
     scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                      response_mask=ro.response_mask, scores=scores,
+                      response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)
     print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
 
@@ -149,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_transformers()
+    from opdistill.teacher import TeacherCacheError
     from opdistill.train.config import ConfigError
     from opdistill.train.rundir import RunError
 
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opdistill {args.command}: config error: {e}", file=sys.stderr)
         return 2
     except RunError as e:  # run directory, checkpoint or non-finite refusals (opdistill/train/rundir.py)
+        print(f"opdistill {args.command}: {e}", file=sys.stderr)
+        return 2
+    except TeacherCacheError as e:  # a teacher cache that is corrupt, invalid or scored with other models
         print(f"opdistill {args.command}: {e}", file=sys.stderr)
         return 2
     return 0
