@@ -208,6 +208,7 @@ def _first_bad(path: Path, name: str, t: torch.Tensor, bad: torch.Tensor, rule: 
     if bool(bad.any()):
         i = int(bad.reshape(-1).to(torch.uint8).argmax())
         value = t.reshape(-1)[i].item()
+        value = f"{value:.6g}" if isinstance(value, float) else value
         raise TeacherCacheError(f"{path}: tensor {name!r} holds {value} at {_position(i, list(t.shape))}; {rule}; "
                                 f"re-score the cache with `opdistill score`")
 
