@@ -168,7 +168,8 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     specials = {name: [None if getattr(tokenizer, name, None) is None else str(getattr(tokenizer, name)),
                        getattr(tokenizer, name + "_id", None)]
                 for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    specials["additional_special_tokens"] = [str(t) for t in getattr(tokenizer, "additional_special_tokens", None) or []]
+    extra = getattr(tokenizer, "additional_special_tokens", None) or []
+    specials["additional_special_tokens"] = [str(t) for t in extra]
     spec = {"vocab": tokenizer.get_vocab(), "special_tokens": specials,
             "chat_template": getattr(tokenizer, "chat_template", None)}
     return {"tokenizer_sha256": hashlib.sha256(_canonical_json(spec)).hexdigest(),

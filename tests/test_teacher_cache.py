@@ -252,7 +252,8 @@ def test_save_refuses_invalid_scores(tmp_path, models, scored):
     path = tmp_path / "bad.safetensors"
     with pytest.raises(TeacherCacheError) as e:
         save_cache(path, **bad, teacher=teacher, tokenizer=tok)
-    assert str(e.value) == f"{path}: tensor 'sampled_logprobs' holds nan at [0, 6]; log-probs must be finite or -inf; {RESCORE}"
+    assert str(e.value) == (f"{path}: tensor 'sampled_logprobs' holds nan at [0, 6]; log-probs must be finite or "
+                            f"-inf; {RESCORE}")
     assert not path.exists()
 
 
@@ -269,7 +270,8 @@ def test_v1_and_foreign_files_are_refused(tmp_path, scored):
     save_file({"x": torch.zeros(2)}, str(plain))
     with pytest.raises(TeacherCacheError) as e:
         load_cache(plain)
-    assert str(e.value) == f"{plain}: not an opdistill teacher cache (metadata format None); write one with `opdistill score`"
+    assert str(e.value) == (f"{plain}: not an opdistill teacher cache (metadata format None); write one with "
+                            f"`opdistill score`")
     missing = tmp_path / "missing.safetensors"
     with pytest.raises(TeacherCacheError) as e:
         load_cache(missing)
