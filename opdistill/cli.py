@@ -100,7 +100,7 @@ def _cmd_score(args):
     targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
     scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                      response_mask=ro.response_mask, scores=scores,
+                      response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)
     print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
 

@@ -89,7 +89,7 @@ def test_chunked_teacher_scores_equal_full_logits(setup, tmp_path):
     for dtype, tol in ((torch.float32, 0.0), (torch.float16, 1e-2)):
         path = save_cache(tmp_path / f"c-{dtype}.safetensors", input_ids=ro.input_ids,
                           attention_mask=ro.attention_mask, response_mask=ro.response_mask, scores=sc,
-                          logprob_dtype=dtype)
+                          teacher=model, tokenizer=tok, logprob_dtype=dtype)
         back = load_cache(path)
         assert torch.equal(back["input_ids"], ro.input_ids) and torch.equal(back["scores"].topk.ids, sc.topk.ids)
         torch.testing.assert_close(back["scores"].topk.logprobs, sc.topk.logprobs, atol=tol, rtol=tol)

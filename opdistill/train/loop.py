@@ -29,7 +29,7 @@ from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import load_cache, score_teacher
+from opdistill.teacher import TeacherCacheError, load_cache, score_teacher
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
@@ -100,19 +100,21 @@ def lr_lambda(optim_cfg, total_steps: int):
     return fn
 
 
-def open_teacher_cache(cfg: TrainerConfig) -> dict | None:
-    """The ``data.teacher_cache`` rows, checked against the loss before any training (None when unset)."""
+def open_teacher_cache(cfg: TrainerConfig, tok=None, teacher=None) -> dict | None:
+    """The ``data.teacher_cache`` rows, verified against the run's tokenizer and teacher (when given: provenance,
+    checksum, every value; opdistill/teacher.py) and against the loss, before any training (None when unset)."""
     if cfg.data.teacher_cache is None:
         return None
-    cache = load_cache(cfg.data.teacher_cache)
+    cache = load_cache(cfg.data.teacher_cache, teacher=teacher, tokenizer=tok)
     scores, lc = cache["scores"], cfg.loss
     if lc.loss_mode == "topk" and scores.topk is None:
-        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no top-k scores (loss.loss_mode=topk)")
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no top-k scores "
+                                f"(loss.loss_mode=topk)")
     if lc.loss_mode == "topk" and lc.topk is not None and scores.topk.ids.shape[-1] != lc.topk:
-        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds top-{scores.topk.ids.shape[-1]} "
-                         f"scores but loss.topk={lc.topk}")
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds top-{scores.topk.ids.shape[-1]} "
+                                f"scores but loss.topk={lc.topk}")
     if lc.loss_mode == "sampled" and scores.sampled_logprobs is None:
-        raise ValueError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no sampled-token log-probs")
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no sampled-token log-probs")
     return cache
 
 
@@ -263,7 +265,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
         loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
-        cache = open_teacher_cache(cfg)
+        cache = open_teacher_cache(cfg, tok, teacher)
         pg_kwargs = dict(loss_agg_mode=cfg.loss.loss_agg_mode, clip_ratio_low=cfg.loss.clip_ratio_low,
                          clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c)
 
