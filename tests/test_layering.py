@@ -10,7 +10,7 @@ LAYERS = [
     ["opdistill.ops"],
     ["opdistill.batch", "opdistill.metrics", "opdistill.parallel", "opdistill.fused"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
-    ["opdistill.models", "opdistill.data", "opdistill.rollout", "opdistill.teacher"],
+    ["opdistill.models", "opdistill.data", "opdistill.engines", "opdistill.rollout", "opdistill.teacher"],
     ["opdistill.train"],
     ["opdistill.demo"],
     ["opdistill.cli"],
