@@ -226,11 +226,15 @@ def test_min_new_tokens_and_finished_rows_dropped(demo):
     for r in range(rows):
         key = row_key(8, 1, free.prompt_index[r], free.sample_index[r])
         assert free.tokens[r] == _reference_row(student, prompts[free.prompt_index[r]], eos, 1.0, 14, 0, key), r
-    forced = sample(student, prompts, **kw, min_new_tokens=8)
-    assert all(len(t) >= 8 and eos not in t[:8] for t in forced.tokens)
-    for r in (0, 5, 13):
+    # min_new_tokens = a length at which free rows stopped: exactly their EOS (index m-1) must now be masked
+    stops = [len(t) for t in free.tokens if t[-1] == eos]
+    m = max(set(stops), key=stops.count)
+    assert 1 < m < 14 and stops.count(m) >= 2
+    forced = sample(student, prompts, **kw, min_new_tokens=m)
+    assert all(len(t) >= m + 1 and eos not in t[:m] for t in forced.tokens)
+    for r in range(rows):
         key = row_key(8, 1, forced.prompt_index[r], forced.sample_index[r])
-        assert forced.tokens[r] == _reference_row(student, prompts[forced.prompt_index[r]], eos, 1.0, 14, 8, key)
+        assert forced.tokens[r] == _reference_row(student, prompts[forced.prompt_index[r]], eos, 1.0, 14, m, key), r
     greedy = sample(student, prompts, eos_id=eos, pad_id=0, greedy=True, max_new_tokens=14, min_new_tokens=14)
     assert all(len(t) == 14 and eos not in t for t in greedy.tokens)
 
