@@ -88,15 +88,10 @@ def _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p,
 
 
 def _forward_names(model) -> tuple[str, bool]:
-    """(name of the cache argument, whether ``logits_to_keep`` is accepted) for this model's forward."""
-    inner = model
-    while True:
-        params = inspect.signature(inner.forward).parameters
-        if "cache" in params or "past_key_values" in params or not hasattr(inner, "module"):
-            break
-        inner = inner.module  # DDP-style wrappers forward (*args, **kwargs) to .module
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    return cache_arg, "logits_to_keep" in params
+    """(name of the cache argument, whether ``logits_to_keep`` is accepted) for this model's forward: ``cache`` in
+    transformers >= 5.x (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
 @torch.no_grad()
@@ -113,6 +108,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     """
     from transformers import DynamicCache
 
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module  # a DDP-style wrapper: generation needs no gradient hooks, run the model itself
     _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p, prompts, prompt_keys)
     if greedy:
         n, temperature, top_k, top_p = 1, 1.0, 0, 1.0
