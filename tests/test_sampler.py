@@ -259,6 +259,7 @@ def test_generate_rollouts_layout_and_warnings(demo):
     (dict(top_k=-2), "top_k: expected an int >= 0 (0 = off), got -2"),
     (dict(top_p=0.0), "top_p: expected a number in (0, 1], got 0.0"),
     (dict(prompt_keys=[1]), "prompt_keys: expected one key per prompt (2), got 1"),
+    (dict(batch_size=0), "batch_size: expected an int >= 1 prompts decoded together (or None = all), got 0"),
 ])
 def test_bad_inputs(tiny, kwargs, message):
     tok, model, _ = tiny
@@ -267,5 +268,6 @@ def test_bad_inputs(tiny, kwargs, message):
     with pytest.raises(ValueError, match="^" + re.escape("prompts: every prompt needs at least one token; prompt 1 "
                                                          "is empty") + "$"):
         sample(model, [[1, 4], []], eos_id=2, pad_id=0)
+    assert sample(model, [], eos_id=2, pad_id=0).tokens == []
     # greedy ignores the temperature
     assert sample(model, [[1, 4]], eos_id=2, pad_id=0, greedy=True, temperature=0.0, max_new_tokens=2).tokens

@@ -66,7 +66,7 @@ def truncate_logits(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0) ->
     return scores
 
 
-def _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p, prompts, prompt_keys):
+def _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p, prompts, prompt_keys, batch_size):
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n: expected an int >= 1 samples per prompt, got {n!r}")
     if not greedy and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -83,6 +83,9 @@ def _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p,
     if any(len(p) == 0 for p in prompts):
         raise ValueError(f"prompts: every prompt needs at least one token; prompt {[len(p) for p in prompts].index(0)} "
                          "is empty")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError("batch_size: expected an int >= 1 prompts decoded together (or None = all), "
+                         f"got {batch_size!r}")
     if prompt_keys is not None and len(prompt_keys) != len(prompts):
         raise ValueError(f"prompt_keys: expected one key per prompt ({len(prompts)}), got {len(prompt_keys)}")
 
@@ -110,7 +113,7 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
 
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module  # a DDP-style wrapper: generation needs no gradient hooks, run the model itself
-    _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p, prompts, prompt_keys)
+    _check(n, temperature, greedy, max_new_tokens, min_new_tokens, top_k, top_p, prompts, prompt_keys, batch_size)
     if greedy:
         n, temperature, top_k, top_p = 1, 1.0, 0, 1.0
     keys = list(range(len(prompts))) if prompt_keys is None else [int(k) for k in prompt_keys]
