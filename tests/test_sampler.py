@@ -271,3 +271,27 @@ def test_bad_inputs(tiny, kwargs, message):
     assert sample(model, [], eos_id=2, pad_id=0).tokens == []
     # greedy ignores the temperature
     assert sample(model, [[1, 4]], eos_id=2, pad_id=0, greedy=True, temperature=0.0, max_new_tokens=2).tokens
+
+
+@pytest.mark.parametrize("method", ["on_policy", "rl"])
+def test_trainer_steps_do_not_depend_on_the_rollout_batch_size(tmp_path, method):
+    """The trainer keys its rollouts by (train.seed, step, prompt, sample): rollout.batch_size 1 and null train the
+    same run (every logged number but the timings), and another train.seed does not."""
+    from opdistill.train.config import load_config
+    from opdistill.train.logger import read_metrics
+    from opdistill.train.loop import run_training
+    from tests.trainer_helpers import tiny_config_dict
+
+    def run(name, **rollout):
+        cfg = tiny_config_dict(tmp_path, method=method, steps=2, eval={"num_prompts": 0},
+                               checkpoint={"every": 0, "save_final": False}, rollout={"n": 2, **rollout})
+        cfg["run_dir"] = str(tmp_path / name)
+        if name == "other_seed":
+            cfg["train"]["seed"] = 1
+        run_training(load_config(base=cfg), quiet=True)
+        rows = read_metrics(tmp_path / name)
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    whole, one = run("whole", batch_size=None), run("one", batch_size=1)
+    assert len(whole) == 2 and whole == one
+    assert run("other_seed") != whole
