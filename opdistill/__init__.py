@@ -3,7 +3,7 @@
 Layers, lowest first; each imports only the layers before it (docs/architecture.md, tests/test_layering.py):
 ``ops`` (per-token math) -> ``batch``/``metrics`` (aggregation over one optimizer step) and ``parallel``/``fused``
 (variants of the ops) -> ``loss`` (teacher signals, config, the back-end dispatch, the loss) and this package root
--> models, data, rollout, teacher -> ``train`` -> ``demo`` -> ``cli``.
+-> models, data, engines, rollout, teacher -> ``train`` -> ``demo`` -> ``cli``.
 """
 
 from .fused import StudentHidden, TeacherHidden

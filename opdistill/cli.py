@@ -96,7 +96,8 @@ def _cmd_score(args):
     torch.manual_seed(cfg.train.seed)
     ro = generate_rollouts(writer, tok, prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                           batch_size=cfg.rollout.batch_size)
+                           min_new_tokens=cfg.rollout.min_new_tokens, batch_size=cfg.rollout.batch_size,
+                           seed=cfg.train.seed, step=0)
     targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
     scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,

@@ -1,24 +1,25 @@
-"""Student rollouts with transformers ``generate`` (KV cache), and the padded training layout they produce.
+"""Student rollouts through our keyed decode loop (``opdistill.engines.sampler``), and the padded training layout.
 
 Design notes
 - Sampling is plain ancestral sampling at the configured temperature: top-p 1 and top-k off unless the user asks.
   Truncated sampling draws from a distribution other than the student's, which makes the data off-policy for every
-  on-policy objective; it is allowed with a warning.
-- A fresh ``GenerationConfig`` is built for every call so a model's own generation defaults (SmolLM2 ships
-  temperature 0.2, top-p 0.9) never leak into training data.
-- The sampler's log-probabilities of the sampled tokens are recorded during generation by a logits processor that
-  holds only the previous step's ``[rows, V]`` log-softmax, never ``[rows, T, V]``. They are the log-probs of the
-  temperature-scaled full distribution (equal to the sampler's when top-p/top-k are off).
+  on-policy objective; it is allowed with a warning. So is ``min_new_tokens`` (EOS masked before that many tokens).
+- Sampling is keyed by ``(seed, step, prompt_offset + i, j)`` per sample: the same samples at any batch size or
+  chunking (and, with per-rank ``prompt_offset``, any world size). A model's own generation defaults (SmolLM2 ships
+  temperature 0.2, top-p 0.9) are never read.
+- The sampler's log-probabilities of the sampled tokens (``want_logprobs``) are the log-probs of the
+  temperature-scaled full distribution in fp32 (equal to the sampler's when top-p/top-k/min_new_tokens are off).
 - The result is re-laid out as right-padded ``[B, S]`` rows of prompt + response (cut after the first EOS), in the
   next-token convention the losses use: ``sampler_logprobs[t]`` is the log-prob of token ``t+1``.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
 import torch
+
+from opdistill.engines.sampler import sample
 
 __all__ = ["RolloutBatch", "generate_rollouts", "make_batch"]
 
@@ -30,36 +31,15 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, S] 0/1: 1 on response tokens (the EOS included)
     sampler_logprobs: torch.Tensor  # [B, S] fp32: row t = sampler log-prob of token t+1 (0 where not a response token)
     prompt_index: list[int]  # which prompt of the call each row answers (rows of one prompt form a GRPO group)
-    texts: list[str]  # decoded responses, special tokens removed
+    texts: list[str] | None  # decoded responses, special tokens removed (None when not asked for)
 
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
 
-class _RecordLogprobs:
-    """LogitsProcessor that records log p(sampled token) one step late, holding one [rows, V] tensor at a time."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.prev = None  # [rows, V] log-softmax of the previous step
-        self.taken: list[torch.Tensor] = []  # one [rows] tensor per generated token
-
-    def __call__(self, input_ids, scores):
-        if self.prev is not None:
-            self.taken.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, last_tokens):
-        if self.prev is not None:
-            self.taken.append(self.prev.gather(-1, last_tokens[:, None]).squeeze(-1))
-            self.prev = None
-        return torch.stack(self.taken, dim=1) if self.taken else None
-
-
 def make_batch(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]] | None,
-               prompt_index: list[int], texts: list[str], pad_id: int) -> RolloutBatch:
+               prompt_index: list[int], texts: list[str] | None, pad_id: int) -> RolloutBatch:
     """Right-padded [B, S] layout of prompt + response rows (the next-token convention for log-probs)."""
     B = len(prompts)
     S = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
@@ -77,69 +57,37 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], response_lo
     return RolloutBatch(ids, attn, resp, lps, prompt_index, texts)
 
 
-@torch.no_grad()
 def generate_rollouts(model, tokenizer, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                      top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, greedy: bool = False,
-                      batch_size: int | None = None) -> RolloutBatch:
-    """Sample ``n`` responses per prompt (``greedy``: one argmax response each) and lay them out for training."""
-    from transformers import GenerationConfig, LogitsProcessorList
+                      top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
+                      greedy: bool = False, batch_size: int | None = None, seed: int | None = None, step: int = 0,
+                      prompt_offset: int = 0, want_logprobs: bool = True, want_texts: bool = True) -> RolloutBatch:
+    """Sample ``n`` responses per prompt (``greedy``: one argmax response each) and lay them out for training.
 
-    if n < 1:
-        raise ValueError(f"n: expected >= 1 samples per prompt, got {n}")
-    if not greedy and not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature: expected a finite value > 0 for sampling, got {temperature}")
+    Sampling is keyed (``opdistill.engines.sampler``): sample ``j`` of ``prompts[i]`` is fixed by ``(seed, step,
+    prompt_offset + i, j)``, whatever the batch size or the process that draws it. ``seed=None`` draws a seed from
+    torch's global generator (so ``torch.manual_seed`` still makes a call reproducible). ``want_logprobs=False``
+    leaves ``sampler_logprobs`` zero; ``want_texts=False`` leaves ``texts`` None.
+    """
     if not greedy and (top_p < 1.0 or top_k > 0):
         warnings.warn(
             f"rollout uses truncated sampling (top_p={top_p}, top_k={top_k}): samples no longer come from the "
             "student's distribution, so on-policy objectives become off-policy",
             stacklevel=2,
         )
-    if greedy:
-        n = 1
+    if not greedy and min_new_tokens > 0:
+        warnings.warn(
+            f"rollout masks EOS before min_new_tokens={min_new_tokens} tokens: those samples no longer come from the "
+            "student's distribution, so on-policy objectives become slightly off-policy (the sampler log-probs stay "
+            "the unmasked student's)",
+            stacklevel=2,
+        )
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
     pad_id = tokenizer.pad_token_id
-    eos_id = tokenizer.eos_token_id
-    batch_size = batch_size or len(prompts)
-    was_training = model.training
-    model.eval()
-    rows_p, rows_r, rows_lp, rows_idx, rows_txt = [], [], [], [], []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            P = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), P), pad_id, dtype=torch.long)
-            attn = torch.zeros(len(chunk), P, dtype=torch.long)
-            for i, p in enumerate(chunk):  # left padding: generation continues every row from its last column
-                ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-                attn[i, P - len(p):] = 1
-            gen_cfg = GenerationConfig(
-                do_sample=not greedy,
-                temperature=temperature if not greedy else None,
-                top_p=top_p if not greedy else None,
-                top_k=top_k if not greedy else None,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=n,
-                pad_token_id=pad_id,
-                eos_token_id=eos_id,
-                bos_token_id=tokenizer.bos_token_id,
-            )
-            rec = _RecordLogprobs(1.0 if greedy else temperature)
-            out = model.generate(
-                input_ids=ids.to(model.device),
-                attention_mask=attn.to(model.device),
-                generation_config=gen_cfg,
-                logits_processor=LogitsProcessorList([rec]),
-            )
-            new = out[:, P:].cpu()  # [len(chunk)*n, T]
-            lp = rec.finish(new[:, -1].to(model.device)) if new.shape[1] else None
-            for r in range(new.shape[0]):
-                toks = new[r].tolist()
-                if eos_id in toks:
-                    toks = toks[: toks.index(eos_id) + 1]
-                rows_p.append(chunk[r // n])
-                rows_r.append(toks)
-                rows_lp.append(lp[r, : len(toks)].cpu().tolist() if lp is not None else [])
-                rows_idx.append(start + r // n)
-                rows_txt.append(tokenizer.decode(toks, skip_special_tokens=True))
-    finally:
-        model.train(was_training)
-    return make_batch(rows_p, rows_r, rows_lp, rows_idx, rows_txt, pad_id)
+    out = sample(model, prompts, eos_id=tokenizer.eos_token_id, pad_id=pad_id, n=n, temperature=temperature,
+                 greedy=greedy, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                 min_new_tokens=min_new_tokens, seed=seed, step=step,
+                 prompt_keys=range(prompt_offset, prompt_offset + len(prompts)), batch_size=batch_size,
+                 want_logprobs=want_logprobs, tokenizer=tokenizer if want_texts else None)
+    return make_batch([prompts[i] for i in out.prompt_index], out.tokens, out.logprobs, out.prompt_index,
+                      out.texts, pad_id)

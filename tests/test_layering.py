@@ -13,7 +13,7 @@ LAYERS = [
     ["opdistill.loss.backend"],
     ["opdistill.loss.distillation"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
-    ["opdistill.models", "opdistill.data", "opdistill.rollout", "opdistill.teacher"],
+    ["opdistill.models", "opdistill.data", "opdistill.engines", "opdistill.rollout", "opdistill.teacher"],
     ["opdistill.train"],
     ["opdistill.demo"],
     ["opdistill.cli"],

@@ -56,6 +56,8 @@ def test_topk_mode_needs_k():
     ("optim.beta2=1", "optim.beta2: expected a number in [0, 1), got 1"),
     ("rollout.top_p=0", "rollout.top_p: expected a number in (0, 1], got 0"),
     ("rollout.top_k=-1", "rollout.top_k: expected an integer >= 0, got -1"),
+    ("rollout.min_new_tokens=-1", "rollout.min_new_tokens: expected an integer >= 0, got -1"),
+    ("rollout.min_new_tokens=65", "rollout.min_new_tokens: expected an integer in [0, rollout.max_new_tokens=64], got 65"),
     ("eval.topk=0", "eval.topk: expected an integer >= 1, got 0"),
     ("data.eval_seed=-3", "data.eval_seed: expected an integer in [0, 4294967295], got -3"),
     ("data.overlong=drop", "data.overlong: expected one of error/truncate, got 'drop'"),

@@ -71,7 +71,15 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0 = off
     max_new_tokens: int = Field(64, ge=1)
-    batch_size: Optional[int] = Field(None, ge=1)  # prompts per generate() call; None = all at once
+    min_new_tokens: int = Field(0, ge=0)  # EOS masked before this many response tokens
+    batch_size: Optional[int] = Field(None, ge=1)  # prompts decoded together; None = all at once
+
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"rollout.min_new_tokens: expected an integer in [0, rollout.max_new_tokens="
+                              f"{self.max_new_tokens}], got {self.min_new_tokens}")
+        return self
 
 
 class OptimConfig(_Section):

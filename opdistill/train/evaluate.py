@@ -4,8 +4,9 @@
 (temperature 1, the rollout temperature): a per-token Monte-Carlo estimate of the reverse KL(pi || nu) along the
 student's trajectories, the quantity on-policy distillation minimizes. ``eval/teacher_kl_seq`` is the same summed
 over each response and averaged over responses. Overlap ratio and masses come from the core top-k diagnostics
-(``DistillationLoss`` with a top-k tail config, gradients off). Sampling uses a fixed generator seed, so every
-evaluation of a run (and of every method in the demo) sees the same prompts and the same random stream.
+(``DistillationLoss`` with a top-k tail config, gradients off). Sampling is keyed by a fixed seed (step 0, the prompt's
+index), so every evaluation of a run (and of every method in the demo) sees the same prompts and the same samples'
+randomness.
 """
 from __future__ import annotations
 
@@ -27,16 +28,14 @@ def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher
     if not problems:
         return out
     prompts = [render_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template) for p in problems]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if greedy:
-            g = generate_rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
-                                  batch_size=batch_size)
-            out["eval/greedy_acc"] = sum(task.score(p, t) for p, t in zip(problems, g.texts)) / len(problems)
-        if not sampled:
-            return out
-        s = generate_rollouts(student, tokenizer, prompts, n=1, temperature=temperature,
-                              max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if greedy:
+        g = generate_rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, want_logprobs=False)
+        out["eval/greedy_acc"] = sum(task.score(p, t) for p, t in zip(problems, g.texts)) / len(problems)
+    if not sampled:
+        return out
+    s = generate_rollouts(student, tokenizer, prompts, n=1, temperature=temperature, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, seed=seed, step=0, want_logprobs=teacher is not None)
     out["eval/sampled_acc"] = sum(task.score(p, t) for p, t in zip(problems, s.texts)) / len(problems)
     targets, mask = shift_for_next_token(s.input_ids, s.response_mask)
     out["eval/response_len"] = float(mask.sum()) / len(problems)

@@ -145,7 +145,8 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     t0 = time.perf_counter()
     writer = teacher if method == "off_policy" else student
     ro = generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                           max_new_tokens=rc.max_new_tokens, batch_size=rc.batch_size)
+                           max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
+                           batch_size=rc.batch_size, seed=cfg.train.seed, step=step)
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
