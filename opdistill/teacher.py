@@ -28,6 +28,7 @@ import torch
 
 import opdistill
 from opdistill.errors import UserError
+from opdistill.ops.checks import check_mask
 from opdistill import TeacherTopK
 from opdistill.fused import backbone_of, read_lm_head
 
@@ -43,11 +44,21 @@ class TeacherScores:
 
 @torch.no_grad()
 def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int | None = None,
-                  sampled_ids: torch.Tensor | None = None, row_chunk: int = 64, token_chunk: int = 2048) -> TeacherScores:
+                  sampled_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None, row_chunk: int = 64,
+                  token_chunk: int = 2048) -> TeacherScores:
     """Teacher top-k (``k``) and/or sampled-token (``sampled_ids`` [B, S], usually the next-token targets) log-probs.
 
     The logits are the model's own, transform included (``opdistill.fused.read_lm_head``: Cohere/Granite/Falcon-H1
-    logit multipliers, Gemma 2 soft-capping); a head the reader does not know is refused."""
+    logit multipliers, Gemma 2 soft-capping); a head the reader does not know is refused.
+
+    ``positions`` [B, S] (bool or 0/1; usually the next-token response mask ``shift_for_next_token(...)[1]``): apply
+    the lm_head only there. The backbone still runs over every position (attention needs them), but the
+    ``[tokens, vocab]`` head GEMM, log-sum-exp and top-k cover only the rows the loss reads, and the results there are
+    the full-layout scorer's exactly. Positions outside it are not computed: top-k rows there are empty slots (id 0,
+    log-prob -inf: zero mass, what the loss turns masked rows into anyway) and sampled log-probs 0.
+    Without ``positions`` every position is scored. Results are written into the ``[B, S, ...]`` outputs through
+    contiguous views of the flattened layout (or, with ``positions``, one copy of the scored rows), never by per-chunk
+    advanced indexing of the whole layout."""
     if k is None and sampled_ids is None:
         raise ValueError("score_teacher: ask for top-k (k=...) or sampled-token scores (sampled_ids=...), or both")
     B, S = input_ids.shape
@@ -55,34 +66,68 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     V = head.weight.shape[0]
     if k is not None and not 1 <= k <= V:
         raise ValueError(f"k: expected 1 <= k <= vocab size {V}, got {k}")
+    sel = None
+    if positions is not None:
+        if tuple(positions.shape) != (B, S):
+            raise ValueError(f"positions: expected shape {(B, S)} (the shape of input_ids), got {tuple(positions.shape)}")
+        sel = check_mask(positions, "positions").reshape(-1).cpu()
     backbone = backbone_of(teacher)
     dev = teacher.device
-    top_ids = torch.zeros(B, S, k, dtype=torch.long) if k else None
-    top_lp = torch.zeros(B, S, k, dtype=torch.float32) if k else None
-    samp = torch.zeros(B, S, dtype=torch.float32) if sampled_ids is not None else None
+    # Rows scored: every position of the flattened layout, or only those of ``positions`` (in layout order).
+    n = B * S if sel is None else int(sel.sum())
+    out_ids = torch.zeros(n, k, dtype=torch.long) if k else None
+    out_lp = torch.zeros(n, k, dtype=torch.float32) if k else None
+    out_samp = torch.zeros(n, dtype=torch.float32) if sampled_ids is not None else None
+    flat_targets = sampled_ids.reshape(-1) if sampled_ids is not None else None
     was_training = teacher.training
     teacher.eval()
     try:
+        done = 0  # rows of out_* written so far
         for r0 in range(0, B, row_chunk):
             ids = input_ids[r0 : r0 + row_chunk].to(dev)
             am = attention_mask[r0 : r0 + row_chunk].to(dev)
+            b = ids.shape[0]
+            lo, hi = r0 * S, (r0 + b) * S  # this row chunk in the flattened layout
+            if sel is not None and not bool(sel[lo:hi].any()):
+                continue
             hidden = backbone(input_ids=ids, attention_mask=am).last_hidden_state  # [b, S, H]
-            b = hidden.shape[0]
             flat = hidden.reshape(b * S, -1)
-            for t0 in range(0, b * S, token_chunk):
+            if sel is None:
+                tgt_rows = flat_targets[lo:hi] if flat_targets is not None else None
+            else:
+                keep = sel[lo:hi]
+                flat = flat[keep.to(flat.device)]  # [n_chunk, H]: only the positions scored
+                tgt_rows = flat_targets[lo:hi][keep] if flat_targets is not None else None
+            for t0 in range(0, flat.shape[0], token_chunk):
                 z = head.logits(flat[t0 : t0 + token_chunk])  # [c, V] fp32: the only vocab-wide buffer
+                c = z.shape[0]
                 lse = torch.logsumexp(z, dim=-1, keepdim=True)
-                rows = torch.arange(t0, t0 + z.shape[0])
-                bi, si = r0 + rows // S, rows % S
+                at = slice(done + t0, done + t0 + c)
                 if k:
                     v, i = z.topk(k, dim=-1)
-                    top_ids[bi, si] = i.cpu()
-                    top_lp[bi, si] = (v - lse).cpu()
-                if samp is not None:
-                    tgt = sampled_ids[bi, si].to(dev)
-                    samp[bi, si] = (z.gather(-1, tgt[:, None]) - lse).squeeze(-1).cpu()
+                    out_ids[at] = i.cpu()
+                    out_lp[at] = (v - lse).cpu()
+                if out_samp is not None:
+                    tgt = tgt_rows[t0 : t0 + c].to(dev)
+                    out_samp[at] = (z.gather(-1, tgt[:, None]) - lse).squeeze(-1).cpu()
+            done += flat.shape[0]
     finally:
         teacher.train(was_training)
+    if sel is None:  # the flattened layout itself: views, no copy
+        top_ids = out_ids.view(B, S, k) if k else None
+        top_lp = out_lp.view(B, S, k) if k else None
+        samp = out_samp.view(B, S) if out_samp is not None else None
+    else:
+        top_ids = top_lp = samp = None
+        if k:
+            top_ids = torch.zeros(B * S, k, dtype=torch.long)
+            top_lp = torch.full((B * S, k), float("-inf"), dtype=torch.float32)
+            top_ids[sel], top_lp[sel] = out_ids, out_lp
+            top_ids, top_lp = top_ids.view(B, S, k), top_lp.view(B, S, k)
+        if out_samp is not None:
+            samp = torch.zeros(B * S, dtype=torch.float32)
+            samp[sel] = out_samp
+            samp = samp.view(B, S)
     return TeacherScores(TeacherTopK(top_ids, top_lp) if k else None, samp)
 
 

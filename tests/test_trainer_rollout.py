@@ -93,3 +93,53 @@ def test_chunked_teacher_scores_equal_full_logits(setup, tmp_path):
         back = load_cache(path)
         assert torch.equal(back["input_ids"], ro.input_ids) and torch.equal(back["scores"].topk.ids, sc.topk.ids)
         torch.testing.assert_close(back["scores"].topk.logprobs, sc.topk.logprobs, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("row_chunk,token_chunk", [(64, 2048), (3, 7), (1, 5)])
+def test_teacher_scores_only_response_positions(setup, monkeypatch, row_chunk, token_chunk):
+    """``positions``: the lm_head runs on the response positions only (counted rows), the scores there are the
+    full-layout scorer's (bit for bit at the default chunking, the trainer's; with other chunkings the head GEMM
+    runs on other row counts, whose rounding differs by an ulp, as it does between two chunkings of the full-layout
+    scorer itself), and every other position holds an empty slot (top-k) or 0 (sampled)."""
+    import opdistill.teacher as teacher_mod
+
+    tok, model, prompts = setup
+    ro = generate_rollouts(model, tok, prompts, n=2, max_new_tokens=10, seed=3, step=1)
+    targets, mask = shift_for_next_token(ro.input_ids, ro.response_mask)
+    full = score_teacher(model, ro.input_ids, ro.attention_mask, k=5, sampled_ids=targets, row_chunk=row_chunk,
+                         token_chunk=token_chunk)
+    rows = []
+    real_read = teacher_mod.read_lm_head
+
+    class CountingHead:
+        def __init__(self, head):
+            self.head, self.weight = head, head.weight
+
+        def logits(self, hidden):
+            rows.append(hidden.shape[0])
+            return self.head.logits(hidden)
+
+    monkeypatch.setattr(teacher_mod, "read_lm_head", lambda m: CountingHead(real_read(m)))
+    part = score_teacher(model, ro.input_ids, ro.attention_mask, k=5, sampled_ids=targets, positions=mask,
+                         row_chunk=row_chunk, token_chunk=token_chunk)
+    m = mask.bool()
+    assert 0 < sum(rows) == int(m.sum()) < m.numel()  # prompt (and padding) positions never reach the lm_head
+    assert torch.equal(part.topk.ids[m], full.topk.ids[m])
+    if (row_chunk, token_chunk) == (64, 2048):
+        assert torch.equal(part.topk.logprobs[m], full.topk.logprobs[m])
+        assert torch.equal(part.sampled_logprobs[m], full.sampled_logprobs[m])
+    torch.testing.assert_close(part.topk.logprobs[m], full.topk.logprobs[m], atol=1e-6, rtol=0)
+    torch.testing.assert_close(part.sampled_logprobs[m], full.sampled_logprobs[m], atol=1e-6, rtol=0)
+    assert torch.equal(part.topk.ids[~m], torch.zeros_like(part.topk.ids[~m]))
+    assert bool(torch.isneginf(part.topk.logprobs[~m]).all()) and not bool(part.sampled_logprobs[~m].any())
+    # sampled-only and top-k-only requests score the same rows
+    only_s = score_teacher(model, ro.input_ids, ro.attention_mask, sampled_ids=targets, positions=mask)
+    assert only_s.topk is None and torch.equal(only_s.sampled_logprobs[m], full.sampled_logprobs[m])
+    only_k = score_teacher(model, ro.input_ids, ro.attention_mask, k=3, positions=mask.long())
+    assert only_k.sampled_logprobs is None and torch.equal(only_k.topk.ids[m], full.topk.ids[m][:, :3])
+    with pytest.raises(ValueError, match=r"positions: expected shape \(8, "):
+        score_teacher(model, ro.input_ids, ro.attention_mask, k=5, positions=mask[:, :-1])
+    # an all-False mask computes nothing at all
+    rows.clear()
+    none = score_teacher(model, ro.input_ids, ro.attention_mask, k=5, positions=torch.zeros_like(mask))
+    assert rows == [] and bool(torch.isneginf(none.topk.logprobs).all())

@@ -41,7 +41,7 @@ def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher
     out["eval/response_len"] = float(mask.sum()) / len(problems)
     if teacher is None:
         return out
-    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets)
+    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets, positions=mask)
     m = mask.bool()
     k1 = (s.sampler_logprobs - scores.sampled_logprobs)  # [B, S]; sampler log-probs are the student's at temperature
     out["eval/teacher_kl"] = float(k1[m].sum()) / max(int(m.sum()), 1)

@@ -150,11 +150,11 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
-        targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
+        targets, scored = shift_for_next_token(ro.input_ids, ro.response_mask)
         lc = cfg.loss
         scores = score_teacher(teacher, ro.input_ids, ro.attention_mask,
                                k=lc.topk if lc.loss_mode == "topk" else None,
-                               sampled_ids=targets if lc.loss_mode == "sampled" else None)
+                               sampled_ids=targets if lc.loss_mode == "sampled" else None, positions=scored)
         data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
