@@ -91,6 +91,8 @@ class OptimConfig(_Section):
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
     grad_clip: Optional[float] = Field(1.0, gt=0)
+    # AdamW kernel (opdistill/train/optim.py): auto = fused where torch has it for the device, else foreach
+    implementation: Literal["auto", "fused", "foreach", "single"] = "auto"
 
 
 class TrainConfig(_Section):

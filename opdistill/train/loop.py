@@ -34,6 +34,7 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
+from opdistill.train.optim import build_optimizer
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
@@ -263,7 +264,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
             check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
         oc = cfg.optim
         params = [p for p in student.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
+        optimizer = build_optimizer(params, oc)  # AdamW, fused where available (opdistill/train/optim.py)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
         loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
         cache = open_teacher_cache(cfg, tok, teacher)
