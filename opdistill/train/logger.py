@@ -1,13 +1,22 @@
 """Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar.
 
 metrics.jsonl is appended one whole line per ``os.write`` through a descriptor opened with ``O_NOFOLLOW`` (a symlink
-is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes.
+is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes. It stays
+synchronous: a step's line is on disk when ``log`` returns.
+
+TensorBoard is off the hot path: ``log`` hands the step's scalars to a background thread that owns the
+``SummaryWriter`` (building the event protobufs is ~1 ms a step of Python), through a ``SimpleQueue``. ``close`` drains
+it; so does SIGTERM while the logger is open (the handler drains the queue, closes the writer, then hands the signal
+to the handler that was there before, so the exit status is unchanged).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import queue
+import signal
+import threading
 from pathlib import Path
 
 from opdistill.train.rundir import atomic_write_text, open_nofollow, read_jsonl
@@ -25,6 +34,37 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
+class _TensorBoardThread:
+    """A ``SummaryWriter`` fed by a background thread: ``put`` returns at once; ``close`` writes everything queued."""
+
+    def __init__(self, log_dir: Path, purge_step: int):
+        from torch.utils.tensorboard import SummaryWriter  # ImportError when the extra is missing: the caller's
+
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)  # created here: errors surface at once
+        self.queue = queue.SimpleQueue()  # put() is reentrant: safe from a signal handler
+        self.thread = threading.Thread(target=self._run, name="opdistill-tensorboard", daemon=True)
+        self.thread.start()
+        self.closed = False
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            step, scalars = item
+            for k, v in scalars:
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def put(self, step: int, scalars: list) -> None:
+        self.queue.put((step, scalars))
+
+    def close(self, timeout: float | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.queue.put(None)
+        self.thread.join(timeout)
+        self.writer.close()
+
+
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None):
@@ -35,13 +75,15 @@ class RunLogger:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND)
         self.tb = None
+        self._prev_sigterm = self._sigterm_installed = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+                self.tb = _TensorBoardThread(self.run_dir / "tensorboard", purge_step=start_step + 1)
             except ImportError:  # tensorboard is an optional extra
                 self.tb = None
+            if self.tb is not None and threading.current_thread() is threading.main_thread():
+                self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._sigterm_installed = True
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -55,9 +97,7 @@ class RunLogger:
         if os.write(self._fd, line) != len(line):  # a short write (disk full): stop rather than leave a torn line
             raise OSError(f"{self.path}: short write (disk full?)")
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+            self.tb.put(step, [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)])
         if self.bar is not None:
             post = {}
             for key, short in PROGRESS_KEYS:
@@ -75,6 +115,22 @@ class RunLogger:
             os.close(self._fd)
             self._fd = None
         if self.tb is not None:
+            self._restore_sigterm()
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_installed:  # None: a handler not installed from Python; put the default back then
+            signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL)
+            self._sigterm_installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Write the queued TensorBoard scalars (10 s at most), then let the previous handler act on the signal."""
+        prev = self._prev_sigterm
+        self._restore_sigterm()
+        self.tb.close(timeout=10.0)
+        if callable(prev):
+            prev(signum, frame)
+        else:  # SIG_DFL (terminate) or SIG_IGN: re-deliver under the restored disposition
+            signal.raise_signal(signum)
