@@ -115,6 +115,10 @@ class EvalConfig(_Section):
     topk: int = Field(8, ge=1)  # for the overlap / mass diagnostics
     batch_size: int = Field(256, ge=1)
     max_new_tokens: Optional[int] = Field(None, ge=1)  # default: rollout.max_new_tokens
+    # confidence intervals (opdistill/train/stats.py): samples per problem for the sampled metrics, and the
+    # percentile-bootstrap resamples over problems (0 = point estimates only)
+    num_samples: int = Field(1, ge=1)
+    bootstrap_resamples: int = Field(1000, ge=0)
 
 
 class CheckpointConfig(_Section):

@@ -1,64 +1,179 @@
-"""Held-out evaluation: verifier accuracy (greedy and sampled) and the student's distance to the teacher.
+"""Held-out evaluation: verifier accuracy (greedy and sampled) and the student's distance to the teacher, each with a
+95% confidence interval (a percentile bootstrap over problems, :mod:`opdistill.train.stats`).
 
-``eval/teacher_kl`` is the mean over response tokens of log pi(y_t) - log nu(y_t) on the student's own samples
-(temperature 1, the rollout temperature): a per-token Monte-Carlo estimate of the reverse KL(pi || nu) along the
-student's trajectories, the quantity on-policy distillation minimizes. ``eval/teacher_kl_seq`` is the same summed
-over each response and averaged over responses. Overlap ratio and masses come from the core top-k diagnostics
-(``DistillationLoss`` with a top-k tail config, gradients off). Sampling is keyed by a fixed seed (step 0, the prompt's
-index), so every evaluation of a run (and of every method in the demo) sees the same prompts and the same samples'
-randomness.
+Per problem, :func:`evaluate_values` measures (an :class:`EvalValues`, one entry per problem, easy to concatenate
+across ranks): greedy correct (0/1), sampled correct out of ``num_samples`` samples, and on the student's samples
+(temperature 1, the rollout temperature) the per-response sums of the teacher-KL estimates, the top-k tail reverse KL,
+the masses and the overlap, with their token counts. :func:`summarize` turns them into metrics, each a ratio of sums
+over problems (token-weighted metrics stay token-weighted), with ``_lo`` / ``_hi`` bounds:
+
+    eval/greedy_acc        greedy correct / problems
+    eval/sampled_acc       correct samples / samples
+    eval/response_len      response tokens / samples
+    eval/teacher_kl        k1: sum over response tokens of log pi(y_t) - log nu(y_t) / tokens (a per-token Monte-Carlo
+                           estimate of the reverse KL(pi || nu) along the student's trajectories)
+    eval/teacher_kl_k3     k3: sum of (r - 1) - log r, r = nu(y_t) / pi(y_t), / tokens (unbiased, >= 0 per token)
+    eval/teacher_kl_seq    the k1 sum per response: sum / samples
+    eval/topk_reverse_kl   the top-k tail reverse KL (K+1 buckets, ``topk``) / tokens
+    eval/student_mass      sum_k pi(i_k) on the teacher's top-k / tokens;  eval/teacher_mass likewise
+    eval/overlap_ratio     |teacher top-k cap student top-k| / (K tokens)
+
+Sampling is keyed by a fixed seed (step 0, the prompt's index + ``prompt_offset``, the sample's index), so every
+evaluation of a run (and of every method in the demo) sees the same prompts and the same samples' randomness, and a
+rank evaluating a slice of the problems draws exactly what one process would.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
-from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, MetricSums, shift_for_next_token
+from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
+from opdistill.ops import topk_divergence
 from opdistill.rollout import generate_rollouts
 from opdistill.teacher import score_teacher
+from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
 
-__all__ = ["evaluate"]
+__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "summarize"]
+
+# metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
+METRICS = {
+    "eval/greedy_acc": ("greedy_correct", "problems"),
+    "eval/sampled_acc": ("sampled_correct", "samples"),
+    "eval/response_len": ("tokens", "samples"),
+    "eval/teacher_kl": ("k1_sum", "tokens"),
+    "eval/teacher_kl_k3": ("k3_sum", "tokens"),
+    "eval/teacher_kl_seq": ("k1_sum", "samples"),
+    "eval/topk_reverse_kl": ("tail_kl_sum", "tokens"),
+    "eval/student_mass": ("student_mass_sum", "tokens"),
+    "eval/teacher_mass": ("teacher_mass_sum", "tokens"),
+    "eval/overlap_ratio": ("overlap_count", "overlap_slots"),
+}
+
+
+@dataclass
+class EvalValues:
+    """Per-problem sums (float64 tensors of shape [P]); a field is None when it was not measured (no greedy pass,
+    no sampling, no teacher). ``cat`` joins the values of disjoint problem slices (e.g. one per rank) in order."""
+
+    problems: torch.Tensor  # 1 per problem (the denominator of greedy accuracy)
+    greedy_correct: torch.Tensor | None = None
+    samples: torch.Tensor | None = None  # samples drawn for the problem (eval.num_samples)
+    sampled_correct: torch.Tensor | None = None  # how many of them the verifier accepts
+    tokens: torch.Tensor | None = None  # response tokens over the problem's samples (EOS included)
+    k1_sum: torch.Tensor | None = None
+    k3_sum: torch.Tensor | None = None
+    tail_kl_sum: torch.Tensor | None = None
+    student_mass_sum: torch.Tensor | None = None
+    teacher_mass_sum: torch.Tensor | None = None
+    overlap_count: torch.Tensor | None = None
+    overlap_slots: torch.Tensor | None = None  # K x tokens
+
+    @property
+    def num_problems(self) -> int:
+        return self.problems.numel()
+
+    @classmethod
+    def cat(cls, parts: list["EvalValues"]) -> "EvalValues":
+        out = {}
+        for f in fields(cls):
+            vals = [getattr(p, f.name) for p in parts]
+            present = [v is not None for v in vals]
+            if any(present) and not all(present):
+                raise ValueError(f"EvalValues.cat: {f.name} is measured in some parts only")
+            out[f.name] = torch.cat(vals) if all(present) else None
+        return cls(**out)
+
+
+def _per_problem(values: torch.Tensor, prompt_index: list[int], num_problems: int) -> torch.Tensor:
+    """Sum per-row values [B] into their problems [P] (float64)."""
+    out = torch.zeros(num_problems, dtype=torch.float64)
+    return out.index_add_(0, torch.as_tensor(prompt_index, dtype=torch.long), values.double())
 
 
 @torch.no_grad()
-def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None, temperature: float = 1.0,
-             max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True, topk: int = 8,
-             batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234) -> dict:
-    out: dict[str, float] = {}
+def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None,
+                    temperature: float = 1.0, max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True,
+                    topk: int = 8, batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234,
+                    num_samples: int = 1, prompt_offset: int = 0) -> EvalValues:
+    """The per-problem measurements of :func:`evaluate` (no statistics): see the module docstring."""
+    P = len(problems)
+    vals = EvalValues(problems=torch.ones(P, dtype=torch.float64))
     if not problems:
-        return out
+        return vals
     prompts = [render_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template) for p in problems]
     if greedy:
         g = generate_rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, want_logprobs=False)
-        out["eval/greedy_acc"] = sum(task.score(p, t) for p, t in zip(problems, g.texts)) / len(problems)
+        vals.greedy_correct = torch.tensor([float(task.score(p, t)) for p, t in zip(problems, g.texts)],
+                                           dtype=torch.float64)
     if not sampled:
-        return out
-    s = generate_rollouts(student, tokenizer, prompts, n=1, temperature=temperature, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, seed=seed, step=0, want_logprobs=teacher is not None)
-    out["eval/sampled_acc"] = sum(task.score(p, t) for p, t in zip(problems, s.texts)) / len(problems)
+        return vals
+    s = generate_rollouts(student, tokenizer, prompts, n=num_samples, temperature=temperature,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, step=0,
+                          prompt_offset=prompt_offset, want_logprobs=teacher is not None)
+    idx = s.prompt_index
+    correct = torch.tensor([float(task.score(problems[i], t)) for i, t in zip(idx, s.texts)])
+    vals.samples = _per_problem(torch.ones(s.num_rows), idx, P)
+    vals.sampled_correct = _per_problem(correct, idx, P)
     targets, mask = shift_for_next_token(s.input_ids, s.response_mask)
-    out["eval/response_len"] = float(mask.sum()) / len(problems)
-    if teacher is None:
-        return out
-    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets, positions=mask)
     m = mask.bool()
-    k1 = (s.sampler_logprobs - scores.sampled_logprobs)  # [B, S]; sampler log-probs are the student's at temperature
-    out["eval/teacher_kl"] = float(k1[m].sum()) / max(int(m.sum()), 1)
-    out["eval/teacher_kl_seq"] = float(torch.where(m, k1, 0.0).sum()) / len(problems)
-    # Diagnostics from the core loss: one GlobalBatch over all eval rows, no gradient.
-    diag = DistillationLoss(DistillationConfig(loss_mode="topk", support="tail", divergence="reverse", topk=topk))
-    batch = GlobalBatch.from_masks([mask], group=None)
-    sums = MetricSums()
+    vals.tokens = _per_problem(m.sum(-1), idx, P)
+    if teacher is None:
+        return vals
+    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets, positions=mask)
+    # log r = log nu - log pi at the sampled token (sampler log-probs are the student's at the eval temperature)
+    log_r = (scores.sampled_logprobs.double() - s.sampler_logprobs.double())
+    k1 = torch.where(m, -log_r, 0.0)
+    k3 = torch.where(m, torch.expm1(log_r) - log_r, 0.0)  # (r - 1) - log r, in float64, unclamped
+    vals.k1_sum, vals.k3_sum = _per_problem(k1.sum(-1), idx, P), _per_problem(k3.sum(-1), idx, P)
+    # Top-k diagnostics per token (the core op, gradients off): tail reverse KL, masses, overlap.
+    tail, q, p, overlap = (torch.zeros(s.num_rows, dtype=torch.float64) for _ in range(4))
+    ids = torch.where(m.unsqueeze(-1), scores.topk.ids, 0)
+    lp = torch.where(m.unsqueeze(-1), scores.topk.logprobs, float("-inf"))  # masked rows: empty slots
     for r0 in range(0, s.num_rows, batch_size):
         rows = slice(r0, r0 + batch_size)
         logits = student(input_ids=s.input_ids[rows], attention_mask=s.attention_mask[rows]).logits.float()
-        _, metrics = diag(logits, type(scores.topk)(scores.topk.ids[rows], scores.topk.logprobs[rows]), mask[rows],
-                          batch)
-        sums.merge(metrics)
-    red = sums.reduce(group=None)
-    for name in ("overlap_ratio", "student_mass", "teacher_mass"):
-        if f"distillation/{name}" in red:
-            out[f"eval/{name}"] = red[f"distillation/{name}"]
-    out["eval/topk_reverse_kl"] = red.get("distillation/loss", float("nan"))
+        res = topk_divergence(logits, ids[rows], lp[rows], support="tail", divergence="reverse")
+        mr = m[rows]
+        for acc, x in ((tail, res.loss), (q, res.student_mass), (p, res.teacher_mass), (overlap, res.overlap_count)):
+            acc[rows] = torch.where(mr, x.double(), 0.0).sum(-1)
+    vals.tail_kl_sum, vals.student_mass_sum = _per_problem(tail, idx, P), _per_problem(q, idx, P)
+    vals.teacher_mass_sum, vals.overlap_count = _per_problem(p, idx, P), _per_problem(overlap, idx, P)
+    vals.overlap_slots = vals.tokens * ids.shape[-1]
+    return vals
+
+
+def summarize(values: EvalValues, *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+              level: float = DEFAULT_LEVEL) -> dict[str, float]:
+    """{metric: point estimate, metric_lo, metric_hi} for every metric ``values`` measured (bootstrap over problems;
+    ``resamples=0``: point estimates only)."""
+    if values.num_problems == 0:
+        return {}
+    ratios = {}
+    for name, (num, den) in METRICS.items():
+        a, b = getattr(values, num), getattr(values, den)
+        if a is not None and b is not None:
+            ratios[name] = (a.numpy(), b.numpy())
+    out: dict[str, float] = {}
+    if resamples == 0:
+        for name, (a, b) in ratios.items():
+            out[name] = float(a.sum() / b.sum()) if b.sum() != 0 else float("nan")
+        return out
+    for name, iv in ratio_intervals(ratios, resamples=resamples, seed=seed, level=level).items():
+        out[name], out[f"{name}_lo"], out[f"{name}_hi"] = iv.value, iv.lo, iv.hi
     return out
+
+
+def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None, temperature: float = 1.0,
+             max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True, topk: int = 8,
+             batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234, num_samples: int = 1,
+             resamples: int = DEFAULT_RESAMPLES, level: float = DEFAULT_LEVEL) -> dict:
+    """Evaluate on ``problems``: {metric: value, metric_lo, metric_hi} (module docstring). The bootstrap is seeded
+    with ``seed``, so an evaluation is a function of the weights and the arguments."""
+    values = evaluate_values(student, tokenizer, task, problems, teacher=teacher, temperature=temperature,
+                             max_new_tokens=max_new_tokens, greedy=greedy, sampled=sampled, topk=topk,
+                             batch_size=batch_size, use_chat_template=use_chat_template, seed=seed,
+                             num_samples=num_samples)
+    return summarize(values, resamples=resamples, seed=seed, level=level)

@@ -176,7 +176,8 @@ def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out) -> dict:
     return evaluate(student, tok, task, held_out, teacher=teacher, temperature=cfg.rollout.temperature,
                     max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy,
                     sampled=ec.sampled, topk=ec.topk, batch_size=ec.batch_size,
-                    use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777)
+                    use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777,
+                    num_samples=ec.num_samples, resamples=ec.bootstrap_resamples)
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""Confidence intervals for evaluation metrics: a seeded percentile bootstrap over problems.
+
+Every evaluation metric is a ratio of two per-problem sums, ``sum_i num_i / sum_i den_i`` (accuracy: correct / 1;
+sampled accuracy: correct samples / samples; teacher-KL: summed per-token KL / response tokens, so token-weighted
+metrics stay token-weighted). The bootstrap resamples PROBLEMS with replacement and recomputes each ratio as
+sum/sum over the resampled problems; all metrics of one evaluation share the same resamples, so their intervals
+are computed from the same pseudo-datasets.
+
+The draw is fixed: ``numpy.random.default_rng(seed).integers(0, n, size=(resamples, n))`` (row b: the problems of
+resample b), and the interval is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled ratios
+(numpy's default linear interpolation). Resamples whose denominator sums to 0 are left out of the quantiles.
+The point estimate is the ratio on the problems as they are; a percentile interval is not centred on it and, for a
+very skewed statistic on very few problems, need not contain it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals"]
+
+DEFAULT_RESAMPLES = 1000
+DEFAULT_LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float  # the point estimate: sum(num) / sum(den) over all problems
+    lo: float
+    hi: float
+
+
+def bootstrap_indices(n: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """[resamples, n] int64: the problems drawn (with replacement) for each resample."""
+    if n < 1:
+        raise ValueError(f"n: expected at least 1 problem to resample, got {n}")
+    if resamples < 1:
+        raise ValueError(f"resamples: expected an integer >= 1, got {resamples}")
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def bootstrap_counts(n: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """[resamples, n] float64: how many times each problem is drawn in each resample (the same draw as
+    :func:`bootstrap_indices`), so that a resampled sum is ``counts @ values``."""
+    idx = bootstrap_indices(n, resamples, seed)
+    counts = np.zeros((resamples, n), dtype=np.float64)
+    np.add.at(counts, (np.repeat(np.arange(resamples), n), idx.ravel()), 1.0)
+    return counts
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num / den) if den != 0 else float("nan")
+
+
+def _interval(num: np.ndarray, den: np.ndarray, counts: np.ndarray, level: float) -> Interval:
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    point = _ratio(num.sum(), den.sum())
+    rn, rd = counts @ num, counts @ den
+    ok = rd != 0
+    if not ok.any():
+        return Interval(point, float("nan"), float("nan"))
+    ratios = rn[ok] / rd[ok]
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(point, float(lo), float(hi))
+
+
+def _check(num, den, level) -> None:
+    if np.shape(num) != np.shape(den) or np.ndim(num) != 1:
+        raise ValueError(f"num and den: expected two 1-D arrays of one value per problem, got shapes "
+                         f"{np.shape(num)} and {np.shape(den)}")
+    if not 0 < level < 1:
+        raise ValueError(f"level: expected a number in (0, 1), got {level}")
+
+
+def ratio_interval(num, den, *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                   level: float = DEFAULT_LEVEL) -> Interval:
+    """sum(num) / sum(den) with its percentile-bootstrap interval over problems (``num``, ``den``: one per problem)."""
+    _check(num, den, level)
+    return _interval(num, den, bootstrap_counts(len(num), resamples, seed), level)
+
+
+def ratio_intervals(ratios: dict[str, tuple], *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                    level: float = DEFAULT_LEVEL) -> dict[str, Interval]:
+    """{name: (num, den)} -> {name: Interval}, every metric on the same resamples of the same problems."""
+    if not ratios:
+        return {}
+    n = {len(num) for num, _ in ratios.values()}
+    if len(n) != 1:
+        raise ValueError(f"ratios: every metric needs one value per problem of the same problems, got lengths {n}")
+    for num, den in ratios.values():
+        _check(num, den, level)
+    counts = bootstrap_counts(n.pop(), resamples, seed)
+    return {name: _interval(num, den, counts, level) for name, (num, den) in ratios.items()}
