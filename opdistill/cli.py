@@ -1,4 +1,4 @@
-"""Command line: ``opdistill train | demo | eval | plot | score`` (``--help`` on each)."""
+"""Command line: ``opdistill train | demo | eval | compare | plot | score`` (``--help`` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -42,27 +42,55 @@ def _cmd_demo(args):
 
 
 def _cmd_eval(args):
+    from pathlib import Path
+
     import torch
 
     from opdistill.train import load_config
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.evaluate import nest_intervals
     from opdistill.train.loop import run_eval, build_task, load_models
     from opdistill.train.preflight import check_model_folders
     from opdistill.data import PromptSource
 
-    cfg = load_config(args.config, args.overrides)
+    config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
+    if config is None:  # opdistill eval RUN_DIR [overrides]: the run's resolved config, its newest checkpoint
+        if not overrides or "=" in overrides[0]:
+            raise ConfigError("eval: expected a RUN_DIR (a folder holding config.yaml) or --config FILE")
+        run_dir = Path(overrides.pop(0))
+        config = run_dir / "config.yaml"
+        if not config.is_file():
+            raise ConfigError(f"{run_dir}: no config.yaml (expected a run directory, or pass --config FILE)")
+        overrides.insert(0, f"run_dir={run_dir}")
+        if ckpt is None and (run_dir / "checkpoints").is_dir():
+            ckpt = "latest"
+    cfg = load_config(config, overrides)
     check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     tok, student, teacher = load_models(cfg)
-    ckpt = args.checkpoint
     if ckpt == "latest":
         ckpt = resume_checkpoint(cfg.run_dir)
     if ckpt:
         load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
     task = build_task(cfg)
-    metrics = run_eval(cfg, tok, student, teacher, task, PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts))
-    print(json.dumps(metrics, indent=1))
+    held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
+    metrics = run_eval(cfg, tok, student, teacher, task, held_out)
+    report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
+              "num_samples": cfg.eval.num_samples, "bootstrap_resamples": cfg.eval.bootstrap_resamples,
+              "level": 0.95, "metrics": nest_intervals(metrics)}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+def _cmd_compare(args):
+    from opdistill.train.compare import compare
+
+    res = compare(args.run_dirs, out=args.out, metrics=args.metric or None)
+    print(res["table"])
+    print(f"\nfigure: {res['png']}")
 
 
 def _cmd_plot(args):
@@ -142,11 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a student (or a checkpoint) on held-out prompts",
                        description="Greedy and sampled verifier accuracy, teacher-KL, overlap and masses.")
-    e.add_argument("--config", required=True)
+    e.add_argument("--config", default=None, help="YAML config (default: RUN_DIR/config.yaml)")
     e.add_argument("--checkpoint", default=None,
-                   help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one")
-    e.add_argument("overrides", nargs="*")
+                   help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one "
+                        "(default: 'latest' with RUN_DIR when it has checkpoints, else the configured student)")
+    e.add_argument("--out", default=None, help="also write the JSON report to this file")
+    e.add_argument("overrides", nargs="*", metavar="[RUN_DIR] overrides",
+                   help="a run directory (without --config), then dotted.key=value overrides")
     e.set_defaults(fn=_cmd_eval)
+
+    c = sub.add_parser("compare", help="compare runs: final metrics with intervals, evaluation curves in a PNG",
+                       description="One markdown table (final held-out metrics with 95% intervals; runs whose "
+                                   "configs differ only by seed are grouped, with a mean row) and one PNG of the "
+                                   "evaluation curves vs step and vs training time with interval bands.")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("--out", default=None, help="PNG path (default FIRST_RUN_DIR/compare.png)")
+    c.add_argument("--metric", action="append", default=None,
+                   help="metric to show (repeatable; default the eval accuracy and teacher-KL metrics present)")
+    c.set_defaults(fn=_cmd_compare)
 
     pl = sub.add_parser("plot", help="plot a run's metrics to a PNG",
                         description="Loss, teacher-KL, overlap ratio, masses and accuracy against step.")

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from opdistill.train.compare import Group, load_runs, plot_groups
 from opdistill.train.config import load_config
 from opdistill.train.loop import run_eval, build_task, load_models, run_training
 from opdistill.data import PromptSource
 
-__all__ = ["demo_config", "run_demo", "format_table"]
+__all__ = ["demo_config", "run_demo", "format_table", "demo_figure"]
 
 METHODS = ("on_policy", "off_policy", "rl")
 # Learning rates per method, from a one-seed 40 s sweep on this task (docs/demo.md): the distillation losses did best
@@ -83,6 +84,17 @@ def format_table(results: dict) -> str:
                 f"{r['kl_eq']:.3f} |"
             )
     return "\n".join(lines)
+
+
+FIGURE_METRICS = ("eval/greedy_acc", "eval/teacher_kl")
+
+
+def demo_figure(out_dir: str | Path, methods=METHODS, seeds=(0, 1), *, title: str | None = None) -> Path:
+    """OUT/demo.png: held-out greedy accuracy and teacher-KL vs step and vs training time, one colour per method,
+    each seed thin (with its 95% interval band) and the mean over seeds bold (``opdistill compare``'s plotting)."""
+    out_dir = Path(out_dir)
+    groups = [Group(m, load_runs([out_dir / f"{m}-seed{s}" for s in seeds])) for m in methods]
+    return plot_groups(groups, list(FIGURE_METRICS), out_dir / "demo.png", title=title)
 
 
 def _mean_row(rows: list[dict]) -> dict:
@@ -143,6 +155,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     table = format_table(results)
     (out_dir / "demo_table.md").write_text(table + "\n")
     (out_dir / "demo_results.json").write_text(json.dumps(results, indent=1))
+    png = demo_figure(out_dir, methods, seeds, title=f"opdistill demo: {budget_s:.0f} s of training per run, "
+                                                      f"seeds {list(seeds)}, {eval_prompts} held-out problems")
     log("\n" + table)
-    log(f"\ntotal wall time {results['total_wall_s']:.0f} s; table saved to {out_dir / 'demo_table.md'}")
+    log(f"\ntotal wall time {results['total_wall_s']:.0f} s; table saved to {out_dir / 'demo_table.md'}, figure to {png}")
     return results

@@ -17,7 +17,7 @@ def cfg_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("cmd", [[], ["train"], ["demo"], ["eval"], ["plot"], ["score"]])
+@pytest.mark.parametrize("cmd", [[], ["train"], ["demo"], ["eval"], ["compare"], ["plot"], ["score"]])
 def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main(cmd + ["--help"])
@@ -49,7 +49,7 @@ def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
 
     assert main(["eval", "--config", str(cfg_file), f"run_dir={run}", "--checkpoint", "latest"]) == 0
     ev = json.loads(capsys.readouterr().out)
-    assert {"eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/overlap_ratio"} <= set(ev)
+    assert {"eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/overlap_ratio"} <= set(ev["metrics"])
 
     assert main(["plot", str(run)]) == 0
     png = run / "metrics.png"

@@ -24,6 +24,7 @@ rank evaluating a slice of the problems draws exactly what one process would.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -35,7 +36,7 @@ from opdistill.rollout import generate_rollouts
 from opdistill.teacher import score_teacher
 from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
 
-__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "summarize"]
+__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "summarize", "nest_intervals"]
 
 # metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
 METRICS = {
@@ -177,3 +178,17 @@ def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher
                              batch_size=batch_size, use_chat_template=use_chat_template, seed=seed,
                              num_samples=num_samples)
     return summarize(values, resamples=resamples, seed=seed, level=level)
+
+
+def nest_intervals(metrics: dict) -> dict[str, dict]:
+    """{metric: value, metric_lo, metric_hi} -> {metric: {"value", "lo", "hi"}} (non-finite numbers -> None, so the
+    result is plain JSON; lo/hi None when the metric has no interval)."""
+    def num(x):
+        return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+    out = {}
+    for name, v in metrics.items():
+        if name.endswith(("_lo", "_hi")) and name[:-3] in metrics:
+            continue
+        out[name] = {"value": num(v), "lo": num(metrics.get(f"{name}_lo")), "hi": num(metrics.get(f"{name}_hi"))}
+    return out

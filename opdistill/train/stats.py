@@ -44,9 +44,8 @@ def bootstrap_counts(n: int, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) 
     """[resamples, n] float64: how many times each problem is drawn in each resample (the same draw as
     :func:`bootstrap_indices`), so that a resampled sum is ``counts @ values``."""
     idx = bootstrap_indices(n, resamples, seed)
-    counts = np.zeros((resamples, n), dtype=np.float64)
-    np.add.at(counts, (np.repeat(np.arange(resamples), n), idx.ravel()), 1.0)
-    return counts
+    flat = (idx + n * np.arange(resamples)[:, None]).ravel()
+    return np.bincount(flat, minlength=resamples * n).reshape(resamples, n).astype(np.float64)
 
 
 def _ratio(num: float, den: float) -> float:

@@ -1,0 +1,237 @@
+"""``opdistill compare RUN_DIR ...``: the final evaluation metrics of several runs in one table, and their evaluation
+curves (vs step and vs training time, with the 95% interval bands) in one PNG.
+
+Runs whose resolved configs (RUN_DIR/config.yaml) differ only by ``train.seed`` (and ``run_dir``) form a group: the
+table shows a row per seed and a ``mean`` row (the mean of the seeds' point estimates, with the range of those
+estimates over the seeds in brackets, since the per-problem values behind a mean are not in metrics.jsonl); the
+figure draws each seed thin with its interval band and the group's mean bold. Everything is read from metrics.jsonl
+(``read_metrics``): evaluation rows are those holding the metric; the training time of an evaluation is the
+``time/train_total_s`` logged at its step (0 at step 0).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from opdistill.errors import UserError
+from opdistill.train.logger import read_metrics
+
+__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "plot_groups", "compare"]
+
+DEFAULT_METRICS = ("eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/teacher_kl_k3",
+                   "eval/topk_reverse_kl")
+_VARY = ("run_dir", "train.seed")  # keys that may differ inside a group
+
+
+class CompareError(UserError, ValueError):
+    """A RUN_DIR given to compare is not a run directory (the message names it)."""
+
+    kind = "error"
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict | None
+    rows: list[dict]
+    seed: object = None
+
+    def curve(self, metric: str) -> list[dict]:
+        """[{step, time, value, lo, hi}] of the evaluation rows holding ``metric`` (lo/hi None when not logged)."""
+        times = {0: 0.0}
+        for r in self.rows:
+            if r.get("time/train_total_s") is not None:
+                times[r["step"]] = r["time/train_total_s"]
+        out = []
+        for r in self.rows:
+            v = r.get(metric)
+            if v is None:
+                continue
+            out.append({"step": r["step"], "time": times.get(r["step"]), "value": v,
+                        "lo": r.get(f"{metric}_lo"), "hi": r.get(f"{metric}_hi")})
+        return out
+
+    def final(self, metric: str) -> dict | None:
+        c = self.curve(metric)
+        return c[-1] if c else None
+
+
+@dataclass
+class Group:
+    label: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_runs(run_dirs) -> list[Run]:
+    runs = []
+    for d in run_dirs:
+        path = Path(d)
+        if not (path / "metrics.jsonl").is_file():
+            raise CompareError(f"{path}: no metrics.jsonl (expected a run directory written by opdistill train)")
+        config = None
+        if (path / "config.yaml").is_file():
+            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        seed = _flat(config).get("train.seed") if config is not None else None
+        runs.append(Run(path, config, read_metrics(path), seed))
+    return runs
+
+
+def _label(runs: list[Run]) -> str:
+    names = [re.sub(r"[-_.]?seed[-_]?\d+$", "", r.path.name) or r.path.name for r in runs]
+    return names[0] if len(set(names)) == 1 else names[0] + "+"
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Runs whose configs differ only by seed (and run_dir), in order of first appearance; a run without a
+    config.yaml is a group of its own."""
+    groups: list[tuple[object, list[Run]]] = []
+    for run in runs:
+        key = None if run.config is None else sorted(
+            (k, repr(v)) for k, v in _flat(run.config).items() if k not in _VARY)
+        for gkey, members in groups:
+            if key is not None and gkey == key:
+                members.append(run)
+                break
+        else:
+            groups.append((key, [run]))
+    out = [Group(_label(members), members) for _, members in groups]
+    seen: dict[str, int] = {}
+    for g in out:  # two groups with the same name: number them
+        seen[g.label] = seen.get(g.label, 0) + 1
+        if seen[g.label] > 1:
+            g.label = f"{g.label} ({seen[g.label]})"
+    return out
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3f}"
+
+
+def _cell(point: dict | None) -> str:
+    if point is None:
+        return "n/a"
+    if point["lo"] is None or point["hi"] is None:
+        return _fmt(point["value"])
+    return f"{_fmt(point['value'])} [{_fmt(point['lo'])}, {_fmt(point['hi'])}]"
+
+
+def available_metrics(runs: list[Run], metrics=None) -> list[str]:
+    if metrics:
+        return list(metrics)
+    present = {k for r in runs for row in r.rows for k in row}
+    found = [m for m in DEFAULT_METRICS if m in present]
+    return found or ["eval/greedy_acc"]
+
+
+def format_table(groups: list[Group], metrics: list[str]) -> str:
+    """Markdown: a row per run (final value [95% interval]) and a mean row per group of several seeds."""
+    head = "| run | seed | step | train time (s) | " + " | ".join(metrics) + " |"
+    lines = [head, "|" + "---|" * (4 + len(metrics))]
+    for g in groups:
+        for r in g.runs:
+            finals = [r.final(m) for m in metrics]
+            last = next((f for f in finals if f is not None), None)
+            step = last["step"] if last else None
+            time = last["time"] if last else None
+            lines.append(f"| {g.label} | {r.seed if r.seed is not None else r.path.name} | "
+                         f"{step if step is not None else 'n/a'} | {_fmt(time) if time is not None else 'n/a'} | "
+                         + " | ".join(_cell(f) for f in finals) + " |")
+        if len(g.runs) > 1:
+            cells = []
+            for m in metrics:
+                vals = [f["value"] for f in (r.final(m) for r in g.runs) if f is not None and f["value"] is not None]
+                if len(vals) != len(g.runs):
+                    cells.append("n/a")
+                else:
+                    cells.append(f"{_fmt(sum(vals) / len(vals))} (seeds {_fmt(min(vals))}..{_fmt(max(vals))})")
+            lines.append(f"| {g.label} | mean of {len(g.runs)} | | | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mean_curve(runs: list[Run], metric: str) -> list[tuple[int, float, float]]:
+    """(step, mean time, mean value) at the steps every run evaluated."""
+    curves = [{p["step"]: p for p in r.curve(metric)} for r in runs]
+    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    out = []
+    for s in common:
+        pts = [c[s] for c in curves]
+        times = [p["time"] for p in pts]
+        t = sum(times) / len(times) if all(x is not None for x in times) else float("nan")
+        out.append((s, t, sum(p["value"] for p in pts) / len(pts)))
+    return out
+
+
+def plot_groups(groups: list[Group], metrics: list[str], out: str | Path, *, title: str | None = None) -> Path:
+    """One PNG: a row per metric, columns vs step and vs training time; each run thin with its interval band, each
+    group's mean (over its seeds) bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.0 * len(metrics)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for gi, g in enumerate(groups):
+        color = colors[gi % len(colors)]
+        for mi, metric in enumerate(metrics):
+            for col, xkey in enumerate(("step", "time")):
+                ax = axes[mi][col]
+                for r in g.runs:
+                    pts = [p for p in r.curve(metric) if p[xkey] is not None]
+                    if not pts:
+                        continue
+                    xs = [p[xkey] for p in pts]
+                    single = len(g.runs) == 1
+                    ax.plot(xs, [p["value"] for p in pts], color=color, lw=2.0 if single else 0.8,
+                            alpha=1.0 if single else 0.6, marker="o", markersize=2,
+                            label=g.label if single else None)
+                    band = [p for p in pts if p["lo"] is not None and p["hi"] is not None]
+                    if band:
+                        ax.fill_between([p[xkey] for p in band], [p["lo"] for p in band], [p["hi"] for p in band],
+                                        color=color, alpha=0.12, lw=0)
+                if len(g.runs) > 1:
+                    mean = _mean_curve(g.runs, metric)
+                    xs = [m[0] if xkey == "step" else m[1] for m in mean]
+                    ax.plot(xs, [m[2] for m in mean], color=color, lw=2.4,
+                            label=f"{g.label} (mean of {len(g.runs)} seeds)")
+                ax.set_xlabel("step" if xkey == "step" else "training time (s)")
+                ax.set_ylabel(metric, fontsize=8)
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str | None = None) -> dict:
+    """Table (markdown) and PNG of the runs; returns {"table", "png", "groups": {label: [run dirs]}}."""
+    if not run_dirs:
+        raise CompareError("compare: expected at least one RUN_DIR")
+    runs = load_runs(run_dirs)
+    metrics = available_metrics(runs, metrics)
+    groups = group_runs(runs)
+    table = format_table(groups, metrics)
+    png = plot_groups(groups, metrics, out if out is not None else Path(run_dirs[0]) / "compare.png", title=title)
+    return {"table": table, "png": png, "groups": {g.label: [str(r.path) for r in g.runs] for g in groups}}

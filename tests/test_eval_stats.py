@@ -1,0 +1,125 @@
+"""Confidence intervals of the evaluation: the bootstrap over problems (opdistill/train/stats.py) and the per-problem
+values evaluate() turns into metrics (opdistill/train/evaluate.py).
+
+Expectations come from an independent numpy implementation (explicit index draws, per-resample sums, a hand-written
+linear-interpolation quantile), from exact small cases, and from a coverage check on a known population."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from opdistill.train.evaluate import METRICS, EvalValues, nest_intervals, summarize
+from opdistill.train.stats import ratio_interval, ratio_intervals
+
+
+def _quantile(sorted_vals, q):
+    pos = q * (len(sorted_vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (pos - lo) * (sorted_vals[hi] - sorted_vals[lo])
+
+
+def _reference(num, den, resamples, seed, level=0.95):
+    """The documented procedure, written independently: draw, index, sum, ratio, quantiles."""
+    n = len(num)
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ratios = []
+    for b in range(resamples):
+        d = sum(den[i] for i in idx[b])
+        if d != 0:
+            ratios.append(sum(num[i] for i in idx[b]) / d)
+    ratios.sort()
+    return sum(num) / sum(den), _quantile(ratios, (1 - level) / 2), _quantile(ratios, (1 + level) / 2)
+
+
+@pytest.mark.parametrize("seed,level", [(0, 0.95), (7, 0.9)])
+def test_bootstrap_matches_an_independent_numpy_implementation(seed, level):
+    rng = np.random.default_rng(100 + seed)
+    num = rng.exponential(size=37).tolist()
+    den = rng.integers(1, 30, size=37).astype(float).tolist()
+    iv = ratio_interval(np.array(num), np.array(den), resamples=400, seed=seed, level=level)
+    point, lo, hi = _reference(num, den, 400, seed, level)
+    assert iv.value == pytest.approx(point, rel=1e-12)
+    assert iv.lo == pytest.approx(lo, rel=1e-12)
+    assert iv.hi == pytest.approx(hi, rel=1e-12)
+    assert iv.lo < iv.value < iv.hi
+
+
+def test_every_metric_uses_the_same_resamples():
+    rng = np.random.default_rng(3)
+    a, b = rng.random(25), rng.random(25) + 0.5
+    both = ratio_intervals({"x": (a, np.ones(25)), "y": (b, np.ones(25))}, resamples=300, seed=5)
+    assert both["x"] == ratio_interval(a, np.ones(25), resamples=300, seed=5)
+    assert both["y"] == ratio_interval(b, np.ones(25), resamples=300, seed=5)
+
+
+def test_coverage_of_a_bernoulli_population():
+    """400 problems, each correct with probability 0.3: the 95% interval holds 0.3 for ~95% of 200 datasets."""
+    hits = 0
+    for seed in range(200):
+        x = (np.random.default_rng(10_000 + seed).random(400) < 0.3).astype(float)
+        iv = ratio_interval(x, np.ones(400), resamples=1000, seed=seed)
+        hits += iv.lo <= 0.3 <= iv.hi
+    assert 0.90 <= hits / 200 <= 0.99, hits
+
+
+def test_token_weighted_metrics_resample_sums_not_means():
+    """Problem A: 1 token of KL 10; problem B: 99 tokens of KL 0. The token-weighted KL is 10 / 100 = 0.1 (a mean of
+    per-problem means would say 5). Resamples are {A,A} -> 10, {A,B} -> 0.1, {B,B} -> 0 with probability 1/4, 1/2,
+    1/4, so the 2.5% and 97.5% quantiles are exactly 0 and 10."""
+    iv = ratio_interval(np.array([10.0, 0.0]), np.array([1.0, 99.0]), resamples=1000, seed=0)
+    assert iv.value == pytest.approx(0.1)
+    assert (iv.lo, iv.hi) == (0.0, 10.0)
+    # through the evaluation's per-problem values: the same numbers for eval/teacher_kl
+    vals = EvalValues(problems=torch.ones(2, dtype=torch.float64), samples=torch.ones(2, dtype=torch.float64),
+                      tokens=torch.tensor([1.0, 99.0], dtype=torch.float64),
+                      k1_sum=torch.tensor([10.0, 0.0], dtype=torch.float64))
+    out = summarize(vals, resamples=1000, seed=0)
+    assert (out["eval/teacher_kl"], out["eval/teacher_kl_lo"], out["eval/teacher_kl_hi"]) == pytest.approx(
+        (0.1, 0.0, 10.0))
+    assert out["eval/teacher_kl_seq"] == pytest.approx(5.0)  # per response: 10 / 2 samples
+    assert "eval/greedy_acc" not in out  # not measured -> not reported
+
+
+def test_summarize_every_metric_and_cat_across_ranks():
+    rng = np.random.default_rng(1)
+    P = 30
+
+    def t(x):
+        return torch.as_tensor(x, dtype=torch.float64)
+
+    tokens = t(rng.integers(4, 40, P) * 2.0)
+    vals = EvalValues(problems=t(np.ones(P)), greedy_correct=t(rng.random(P) < 0.5), samples=t(np.full(P, 2.0)),
+                      sampled_correct=t(rng.integers(0, 3, P)), tokens=tokens, k1_sum=t(rng.normal(size=P)),
+                      k3_sum=t(rng.random(P)), tail_kl_sum=t(rng.random(P)), student_mass_sum=tokens * 0.4,
+                      teacher_mass_sum=tokens * t(rng.random(P)), overlap_count=t(rng.integers(0, 8, P)),
+                      overlap_slots=tokens * 8)
+    out = summarize(vals, resamples=200, seed=3)
+    for name, (num, den) in METRICS.items():
+        a, b = getattr(vals, num).numpy(), getattr(vals, den).numpy()
+        point, lo, hi = _reference(a.tolist(), b.tolist(), 200, 3)
+        assert out[name] == pytest.approx(point, rel=1e-12), name
+        assert (out[f"{name}_lo"], out[f"{name}_hi"]) == pytest.approx((lo, hi), rel=1e-12), name
+    # two ranks' slices, concatenated in order, are the whole evaluation
+    halves = [EvalValues(**{k: (None if v is None else v[s]) for k, v in vars(vals).items()})
+              for s in (slice(0, 11), slice(11, P))]
+    assert summarize(EvalValues.cat(halves), resamples=200, seed=3) == out
+    nested = nest_intervals(out)
+    assert set(nested) == set(METRICS)
+    assert nested["eval/teacher_kl"] == {"value": out["eval/teacher_kl"], "lo": out["eval/teacher_kl_lo"],
+                                         "hi": out["eval/teacher_kl_hi"]}
+    assert set(summarize(vals, resamples=0)) == set(METRICS)  # point estimates only
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"^resamples: expected an integer >= 1, got 0$"):
+        ratio_interval(np.ones(3), np.ones(3), resamples=0)
+    with pytest.raises(ValueError, match=r"^level: expected a number in \(0, 1\), got 1.5$"):
+        ratio_interval(np.ones(3), np.ones(3), level=1.5)
+    with pytest.raises(ValueError, match=r"^n: expected at least 1 problem to resample, got 0$"):
+        ratio_interval(np.ones(0), np.ones(0))
+    parts = [EvalValues(problems=torch.ones(1, dtype=torch.float64), greedy_correct=torch.ones(1, dtype=torch.float64)),
+             EvalValues(problems=torch.ones(1, dtype=torch.float64))]
+    with pytest.raises(ValueError, match=r"^EvalValues.cat: greedy_correct is measured in some parts only$"):
+        EvalValues.cat(parts)
