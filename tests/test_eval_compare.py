@@ -1,0 +1,161 @@
+"""`opdistill eval` (JSON with intervals, on any run directory), `opdistill compare` (table + PNG, seed groups) and
+the demo's figure, on tiny real runs and on hand-written metrics."""
+import json
+import shutil
+
+import pytest
+import yaml
+
+from opdistill.cli import main
+from opdistill.demo import demo_figure
+from opdistill.train.config import load_config
+from opdistill.train.evaluate import METRICS
+from opdistill.train.logger import read_metrics
+from opdistill.train.loop import run_training
+from tests.trainer_helpers import tiny_config_dict
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two seeds of one tiny config (2 steps, evaluated at every step), and a copy of seed 0 whose config differs by
+    the learning rate (another group)."""
+    tmp = tmp_path_factory.mktemp("cmp")
+    out = []
+    for seed in (0, 1):
+        cfg = tiny_config_dict(tmp, steps=2, train={"seed": seed}, eval={"every": 1, "num_prompts": 4, "batch_size": 4,
+                                                                        "bootstrap_resamples": 200},
+                               checkpoint={"every": 0, "save_final": True})
+        cfg["run_dir"] = str(tmp / f"base-seed{seed}")
+        run_training(load_config(base=cfg), quiet=True)
+        out.append(tmp / f"base-seed{seed}")
+    other = tmp / "highlr-seed0"
+    shutil.copytree(out[0], other)
+    conf = yaml.safe_load((other / "config.yaml").read_text())
+    conf["optim"]["lr"] = 0.5
+    (other / "config.yaml").write_text(yaml.safe_dump(conf))
+    return out + [other]
+
+
+def _capture_figures(monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
+    return figures
+
+
+def test_eval_on_a_run_dir_reports_every_metric_with_its_interval(runs, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(runs[0]), "eval.num_samples=2", "eval.bootstrap_resamples=300", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    report = json.loads(out.read_text())
+    assert printed == report
+    assert report["checkpoint"].endswith("step_00000002")  # RUN_DIR: its newest checkpoint by default
+    assert (report["num_problems"], report["num_samples"], report["bootstrap_resamples"]) == (4, 2, 300)
+    assert set(report["metrics"]) == set(METRICS)
+    for name, m in report["metrics"].items():
+        assert m["lo"] <= m["value"] <= m["hi"], (name, m)
+    acc = report["metrics"]["eval/sampled_acc"]["value"]
+    assert acc * 8 == pytest.approx(round(acc * 8))  # 4 problems x 2 samples
+
+
+def test_eval_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"opdistill eval: config error: {tmp_path}: no config.yaml (expected a run directory, "
+                   f"or pass --config FILE)")
+
+
+def test_logged_evaluations_carry_intervals(runs):
+    rows = [r for r in read_metrics(runs[0]) if "eval/greedy_acc" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        for name in ("eval/greedy_acc", "eval/teacher_kl", "eval/teacher_kl_k3", "eval/overlap_ratio"):
+            assert r[f"{name}_lo"] <= r[name] <= r[f"{name}_hi"], (name, r)
+        assert r["eval/teacher_kl_k3"] >= 0  # (r - 1) - log r >= 0 token by token
+
+
+def test_compare_groups_seeds_and_draws_curves_with_bands(runs, tmp_path, capsys, monkeypatch):
+    figures = _capture_figures(monkeypatch)
+    png = tmp_path / "cmp.png"
+    metrics = ["eval/greedy_acc", "eval/teacher_kl"]
+    assert main(["compare", *map(str, runs), "--out", str(png), "--metric", metrics[0], "--metric", metrics[1]]) == 0
+    text = capsys.readouterr().out
+    assert png.read_bytes()[:8] == PNG
+    finals = [[r for r in read_metrics(d) if m in r][-1] for d in runs[:2] for m in metrics]
+
+    def cell(row, m):
+        return f"{row[m]:.3f} [{row[m + '_lo']:.3f}, {row[m + '_hi']:.3f}]"
+
+    lines = text.splitlines()
+    seed0 = next(line for line in lines if line.startswith("| base | 0 |"))
+    assert cell(finals[0], metrics[0]) in seed0 and cell(finals[1], metrics[1]) in seed0
+    seed1 = next(line for line in lines if line.startswith("| base | 1 |"))
+    assert cell(finals[2], metrics[0]) in seed1 and cell(finals[3], metrics[1]) in seed1
+    mean = next(line for line in lines if line.startswith("| base | mean of 2 |"))
+    kl = [finals[1]["eval/teacher_kl"], finals[3]["eval/teacher_kl"]]
+    assert f"{sum(kl) / 2:.3f} (seeds {min(kl):.3f}..{max(kl):.3f})" in mean
+    assert any(line.startswith("| highlr | 0 |") for line in lines)
+    assert not any(line.startswith("| highlr | mean") for line in lines)  # a group of one seed has no mean row
+
+    (fig,) = figures
+    axes = fig.axes
+    assert len(axes) == 4  # 2 metrics x (vs step, vs time)
+    curves = [[r for r in read_metrics(d) if "eval/teacher_kl" in r] for d in runs[:2]]
+    times = [{r["step"]: r["time/train_total_s"] for r in read_metrics(d) if "time/train_total_s" in r} | {0: 0.0}
+             for d in runs[:2]]
+    for ax, x_of in ((axes[2], lambda r, i: r["step"]), (axes[3], lambda r, i: times[i][r["step"]])):
+        thin = [ln for ln in ax.lines if ln.get_linewidth() < 1]
+        bold = [ln for ln in ax.lines if ln.get_linewidth() > 2.3]
+        assert len(thin) == 2 and len(bold) == 1  # the base group's two seeds and their mean
+        for i, ln in enumerate(thin):
+            assert list(ln.get_xdata()) == pytest.approx([x_of(r, i) for r in curves[i]])
+            assert list(ln.get_ydata()) == pytest.approx([r["eval/teacher_kl"] for r in curves[i]])
+        assert list(bold[0].get_ydata()) == pytest.approx(
+            [(a["eval/teacher_kl"] + b["eval/teacher_kl"]) / 2 for a, b in zip(*curves)])
+        assert len(ax.collections) == 3  # an interval band per run
+
+
+def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):
+    assert main(["compare", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"opdistill compare: error: {tmp_path}: no metrics.jsonl (expected a run directory written by opdistill train)")
+
+
+def test_demo_figure_from_fake_metrics(tmp_path, monkeypatch):
+    """Three methods x two seeds of hand-written metrics: accuracy and teacher-KL vs step and vs time, each seed thin
+    with its band, the mean over seeds bold."""
+    figures = _capture_figures(monkeypatch)
+    values = {}
+    for mi, method in enumerate(("on_policy", "off_policy", "rl")):
+        for seed in (0, 1):
+            run = tmp_path / f"{method}-seed{seed}"
+            run.mkdir()
+            rows, vals = [], []
+            for k, step in enumerate((0, 5, 10)):
+                acc, kl = 0.1 * k + 0.01 * seed + mi * 0.2, 1.0 - 0.2 * k + 0.05 * seed
+                t = 1.5 * step + seed if step else 0.0  # training time; 0 before the first step
+                vals.append((step, t, acc, kl))
+                if step:  # the step's training row, then its evaluation row (as the loop's final evaluation logs)
+                    rows.append({"step": step, "time/train_total_s": t, "distillation/loss": 0.1})
+                rows.append({"step": step, "eval/greedy_acc": acc, "eval/greedy_acc_lo": acc - 0.05,
+                             "eval/greedy_acc_hi": acc + 0.05, "eval/teacher_kl": kl, "eval/teacher_kl_lo": kl - 0.1,
+                             "eval/teacher_kl_hi": kl + 0.1})
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            values[method, seed] = vals
+    png = demo_figure(tmp_path, seeds=(0, 1))
+    assert png == tmp_path / "demo.png" and png.read_bytes()[:8] == PNG
+    (fig,) = figures
+    assert len(fig.axes) == 4
+    acc_vs_time = fig.axes[1]
+    bold = [ln for ln in acc_vs_time.lines if ln.get_linewidth() > 2.3]
+    thin = [ln for ln in acc_vs_time.lines if ln.get_linewidth() < 1]
+    assert len(bold) == 3 and len(thin) == 6
+    for mi, method in enumerate(("on_policy", "off_policy", "rl")):
+        a, b = values[method, 0], values[method, 1]
+        assert list(bold[mi].get_xdata()) == pytest.approx([(x[1] + y[1]) / 2 for x, y in zip(a, b)])
+        assert list(bold[mi].get_ydata()) == pytest.approx([(x[2] + y[2]) / 2 for x, y in zip(a, b)])
+        assert bold[mi].get_label() == f"{method} (mean of 2 seeds)"
