@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     d = sub.add_parser("demo", help="compare on-policy distillation, off-policy KD and RL on a toy task",
-                       description="Runs on a laptop CPU in about 10 minutes and prints a table (saved to OUT).")
+                       description="Runs on a laptop CPU in about 10 minutes, prints a table (saved to OUT) and draws "
+                                   "OUT/demo.png.")
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
     d.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")

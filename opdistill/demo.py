@@ -13,7 +13,10 @@ evaluation excluded):
 (a) and (b) use the identical loss; only who writes the samples differs. Every method sees the same prompts step by
 step and is evaluated on the same held-out problems: greedy and sampled accuracy, and teacher-KL (the student's
 per-token reverse KL to the teacher on its own samples). The table reports each method at the end of the budget
-(equal wall time) and at the same step count (the fewest steps any method reached, rounded down to the eval grid).
+(equal wall time, with the 95% interval of each run's final value: a bootstrap over the held-out problems) and at
+the same step count (the fewest steps any method reached, rounded down to the eval grid). ``demo.png`` next to the
+table draws held-out greedy accuracy and teacher-KL vs training time and vs step: each seed thin with its interval
+band, the mean over seeds bold (``opdistill compare``'s plotting).
 """
 from __future__ import annotations
 
@@ -66,8 +69,9 @@ def format_table(results: dict) -> str:
     """Markdown table of the demo results (see run_demo for the layout of ``results``)."""
     s_eq = results["equal_steps"]
     lines = [
-        f"teacher: greedy acc {results['teacher']['eval/greedy_acc']:.3f}, sampled acc "
-        f"{results['teacher']['eval/sampled_acc']:.3f} (held-out, {results['eval_prompts']} problems)",
+        f"teacher: greedy acc {results['teacher']['eval/greedy_acc']:.3f}{_ci(_teacher_ci(results), 'acc')}, "
+        f"sampled acc {results['teacher']['eval/sampled_acc']:.3f} (held-out, {results['eval_prompts']} problems; "
+        f"[95% interval], bootstrap over problems)",
         f"budget: {results['budget_s']:.0f} s of training per run (eval excluded), seeds {results['seeds']}, "
         f"equal-steps column at step {s_eq}",
         "",
@@ -79,9 +83,9 @@ def format_table(results: dict) -> str:
         rows = results["runs"][method]
         for r in rows + [_mean_row(rows)]:
             lines.append(
-                f"| {method} | {r['seed']} | {r['steps']:.0f} | {r['acc0']:.3f} -> {r['acc']:.3f} | "
-                f"{r['sacc0']:.3f} -> {r['sacc']:.3f} | {r['kl0']:.3f} -> {r['kl']:.3f} | {r['acc_eq']:.3f} | "
-                f"{r['kl_eq']:.3f} |"
+                f"| {method} | {r['seed']} | {r['steps']:.0f} | {r['acc0']:.3f} -> {r['acc']:.3f}{_ci(r, 'acc')} | "
+                f"{r['sacc0']:.3f} -> {r['sacc']:.3f} | {r['kl0']:.3f} -> {r['kl']:.3f}{_ci(r, 'kl')} | "
+                f"{r['acc_eq']:.3f} | {r['kl_eq']:.3f} |"
             )
     return "\n".join(lines)
 
@@ -97,8 +101,19 @@ def demo_figure(out_dir: str | Path, methods=METHODS, seeds=(0, 1), *, title: st
     return plot_groups(groups, list(FIGURE_METRICS), out_dir / "demo.png", title=title)
 
 
+def _teacher_ci(results: dict) -> dict:
+    t = results["teacher"]
+    return {"acc_ci": (t.get("eval/greedy_acc_lo"), t.get("eval/greedy_acc_hi"))}
+
+
+def _ci(row: dict, key: str) -> str:
+    """' [lo, hi]': the 95% interval of a run's final value (a mean row over seeds has none)."""
+    ci = row.get(f"{key}_ci")
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else ""
+
+
 def _mean_row(rows: list[dict]) -> dict:
-    keys = [k for k in rows[0] if k != "seed"]
+    keys = [k for k in rows[0] if k != "seed" and not k.endswith("_ci")]
     return {"seed": "mean", **{k: sum(r[k] for r in rows) / len(rows) for k in keys}}
 
 
@@ -147,6 +162,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
                 "sacc0": first["eval/sampled_acc"], "sacc": last["eval/sampled_acc"],
                 "kl0": first["eval/teacher_kl"], "kl": last["eval/teacher_kl"],
                 "acc_eq": eq["eval/greedy_acc"], "kl_eq": eq["eval/teacher_kl"],
+                "acc_ci": (last.get("eval/greedy_acc_lo"), last.get("eval/greedy_acc_hi")),
+                "kl_ci": (last.get("eval/teacher_kl_lo"), last.get("eval/teacher_kl_hi")),
             })
     results = {"teacher": teacher_eval, "budget_s": budget_s, "seeds": list(seeds), "methods": list(methods),
                "eval_prompts": eval_prompts, "equal_steps": s_eq, "runs": table_runs,

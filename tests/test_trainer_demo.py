@@ -21,6 +21,9 @@ def test_demo_runs_and_writes_the_table(tmp_path):
     res = run_demo(tmp_path, budget_s=1.0, seeds=(0,), eval_every=2, eval_prompts=6, threads=1, log=lines.append)
     table = (tmp_path / "demo_table.md").read_text()
     assert "| on_policy | 0 |" in table and "| off_policy | mean |" in table and "| rl | 0 |" in table
+    seed_row = next(line for line in table.splitlines() if line.startswith("| on_policy | 0 |"))
+    assert seed_row.count("[") == 2  # final greedy accuracy and teacher-KL with their 95% intervals
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert res["teacher"]["eval/greedy_acc"] >= 0.5  # the packaged teacher solves the task (6 problems here)
     saved = json.loads((tmp_path / "demo_results.json").read_text())
     assert saved["equal_steps"] % 2 == 0 and saved["equal_steps"] <= min(
