@@ -1,6 +1,7 @@
 """`opdistill eval` (JSON with intervals, on any run directory), `opdistill compare` (table + PNG, seed groups) and
 the demo's figure, on tiny real runs and on hand-written metrics."""
 import json
+import math
 import shutil
 
 import pytest
@@ -159,3 +160,56 @@ def test_demo_figure_from_fake_metrics(tmp_path, monkeypatch):
         assert list(bold[mi].get_xdata()) == pytest.approx([(x[1] + y[1]) / 2 for x, y in zip(a, b)])
         assert list(bold[mi].get_ydata()) == pytest.approx([(x[2] + y[2]) / 2 for x, y in zip(a, b)])
         assert bold[mi].get_label() == f"{method} (mean of 2 seeds)"
+
+
+def test_per_problem_values_match_a_float64_reference(tmp_path):
+    """evaluate_values on a tiny student/teacher, 2 samples per problem: every per-problem sum equals the same sum
+    computed from full-vocabulary float64 log-probs (tests/reference.py for the tail KL and the diagnostics)."""
+    import torch
+    import torch.nn.functional as F
+
+    from opdistill.data import PromptSource, render_prompt
+    from opdistill.rollout import generate_rollouts
+    from opdistill.train.evaluate import evaluate_values
+    from opdistill.train.loop import build_task, load_models
+    from tests.reference import diagnostics_reference, topk_row
+
+    cfg = load_config(base=tiny_config_dict(tmp_path))
+    tok, student, teacher = load_models(cfg)
+    task = build_task(cfg)
+    problems = PromptSource(task, 0, 0).held_out(3)
+    K, seed = 4, 99
+    vals = evaluate_values(student, tok, task, problems, teacher=teacher, max_new_tokens=12, topk=K,
+                           batch_size=2, seed=seed, num_samples=2)
+    prompts = [render_prompt(tok, p.prompt, use_chat_template=True) for p in problems]
+    ro = generate_rollouts(student, tok, prompts, n=2, max_new_tokens=12, seed=seed, step=0)  # the same keyed draw
+    with torch.no_grad():
+        zs = student(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits.double()
+        zt = teacher(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits.double()
+    log_pi, log_nu = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
+    ref = {k: [0.0] * 3 for k in ("samples", "correct", "tokens", "k1", "k3", "tail", "q", "p", "overlap")}
+    for r, i in enumerate(ro.prompt_index):
+        ref["samples"][i] += 1
+        ref["correct"][i] += float(task.score(problems[i], ro.texts[r]))
+        for t in range(ro.input_ids.shape[1] - 1):
+            if not ro.response_mask[r, t + 1]:
+                continue
+            y = int(ro.input_ids[r, t + 1])
+            log_r = float(log_nu[r, t, y] - log_pi[r, t, y])
+            top = torch.topk(log_nu[r, t], K)
+            q, p, count, _ = diagnostics_reference(zs[r, t][None], top.indices[None], top.values[None])
+            ref["tokens"][i] += 1
+            ref["k1"][i] += -log_r
+            ref["k3"][i] += math.expm1(log_r) - log_r
+            ref["tail"][i] += float(topk_row(zs[r, t], top.indices, top.values, "tail", "reverse"))
+            ref["q"][i] += float(q[0])
+            ref["p"][i] += float(p[0])
+            ref["overlap"][i] += int(count[0])
+    got = {"samples": vals.samples, "correct": vals.sampled_correct, "tokens": vals.tokens, "k1": vals.k1_sum,
+           "k3": vals.k3_sum, "tail": vals.tail_kl_sum, "q": vals.student_mass_sum, "p": vals.teacher_mass_sum,
+           "overlap": vals.overlap_count}
+    assert sum(ref["tokens"]) > 6
+    for key, expected in ref.items():
+        assert got[key].tolist() == pytest.approx(expected, rel=1e-4, abs=1e-5), key
+    assert vals.overlap_slots.tolist() == [K * n for n in ref["tokens"]]
+    assert vals.greedy_correct.shape == (3,) and set(vals.greedy_correct.tolist()) <= {0.0, 1.0}
