@@ -47,9 +47,9 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["carry_add", "gsm_symbolic", "dataset"] = "carry_add"
-    task_args: dict = {}  # keyword arguments of the task generator
-    path: Optional[str] = None  # local jsonl/json/csv/parquet file for task "dataset"
+    task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset"] = "carry_add"
+    task_args: dict = {}  # keyword arguments of the task generator (reasoning_gym: {name: TASK, size, seed, ...})
+    path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
     answer_field: Optional[str] = None
     use_chat_template: bool = True
@@ -57,11 +57,25 @@ class DataConfig(_Section):
     eval_seed: int = Field(0, ge=0, le=SEED_MAX)  # the held-out set and the evaluation's sampling stream
     teacher_cache: Optional[str] = None  # off_policy only: train on the rows of an `opdistill score` cache, in order
     overlong: Literal["error", "truncate"] = "error"  # a dataset prompt longer than the model allows
+    # --- held-out rows, hub datasets and answer checking (docs/data.md) ---
+    split: str = "train"  # the split of data.path read for training (hub names and dataset folders)
+    subset: Optional[str] = None  # the hub dataset's configuration name (load_dataset(path, subset)), e.g. "main"
+    eval_path: Optional[str] = None  # held-out rows from another file / dataset (split: eval_split, default split)
+    eval_split: Optional[str] = None  # held-out rows from this split (of eval_path, else of path)
+    eval_fraction: Optional[float] = Field(None, gt=0, lt=1)  # or: hold out this share of path's distinct prompts
+    answer_match: Literal["math", "exact", "contains"] = "math"  # how answer_field is checked (opdistill/data/answers.py)
 
     @model_validator(mode="after")
     def _rules(self):
         if self.task == "dataset" and not self.path:
             raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {self.path!r}")
+        for key in ("eval_path", "eval_split", "eval_fraction"):
+            if getattr(self, key) is not None and self.task != "dataset":
+                raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
+                                  f"problems), got {getattr(self, key)!r} with data.task {self.task!r}")
+        if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
+            raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
+                              f"held-out rows, got {self.eval_fraction!r}")
         return self
 
 

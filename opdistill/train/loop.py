@@ -62,8 +62,11 @@ def resolve_model_path(name: str) -> str:
 
 
 def build_task(cfg: TrainerConfig) -> Task:
-    if cfg.data.task == "dataset":
-        return DatasetTask(cfg.data.path, cfg.data.prompt_field, cfg.data.answer_field)
+    dc = cfg.data
+    if dc.task == "dataset":
+        return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
+                           eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
+                           answer_match=dc.answer_match)
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
