@@ -18,7 +18,7 @@ import dataclasses
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
+__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
            "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -38,12 +38,34 @@ class _Section(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class LoraConfig(_Section):
+    """``model.lora``: LoRA adapters on the student (peft; the ``lora`` extra). lm_head is frozen, never adapted."""
+
+    r: int = Field(8, ge=1)  # adapter rank
+    alpha: float = Field(16.0, gt=0)  # scaling: alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"  # module names (q_proj, ...) or all-linear
+
+
 class ModelConfig(_Section):
     student: str = ""  # folder (or hub name) of the student; "builtin:demo-student" for the packaged demo model
-    teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"
+    teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"; "self": the LoRA student's base
     student_from_teacher_layers: Optional[int] = Field(None, ge=1)  # the student = the teacher's first N layers
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float16 training is refused
     trust_remote_code: bool = False
+    # --- LoRA students and attention (docs/trainer.md "LoRA students") ---
+    lora: Optional[LoraConfig] = None  # LoRA adapters on the student (only they train); null = full fine-tuning
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _self_teacher(self):
+        if self.teacher == "self" and self.lora is None:
+            raise ConfigError("model.teacher: 'self' (the student's base model with the LoRA adapters off) needs "
+                              "model.lora, got model.lora null")
+        if self.teacher == "self" and self.student_from_teacher_layers is not None:
+            raise ConfigError(f"model.student_from_teacher_layers: expected null with model.teacher 'self', got "
+                              f"{self.student_from_teacher_layers}")
+        return self
 
 
 class DataConfig(_Section):
@@ -117,6 +139,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, le=SEED_MAX)
     threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
     max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
 
 
 class EvalConfig(_Section):
@@ -240,8 +263,9 @@ def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -
         field = getattr(section, "model_fields", {}).get(part)
         if field is None:
             break
-        if i < len(path) - 1:
-            section = field.annotation
+        if i < len(path) - 1:  # an Optional[Section] (model.lora) walks into the section
+            section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                            if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation)
     if e["type"] == "extra_forbidden":
         where = ".".join(map(str, loc[:-1]))
         return ConfigError(f"{key}: unknown key (known keys{' of ' + where if where else ''}: {list(section.model_fields)})")

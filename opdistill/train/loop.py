@@ -34,6 +34,7 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
+from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
@@ -75,16 +76,22 @@ def load_models(cfg: TrainerConfig):
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
-    if mc.teacher:
+    if mc.teacher and mc.teacher != SELF:
         teacher_path = resolve_model_path(mc.teacher)
-        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
+        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                             attn_implementation=mc.attn_implementation)
         teacher.requires_grad_(False)
         t_tok = load_tokenizer(teacher_path, trust_remote_code=mc.trust_remote_code)
     tok = load_tokenizer(student_path, trust_remote_code=mc.trust_remote_code)
-    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
+    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                         attn_implementation=mc.attn_implementation)
     if mc.student_from_teacher_layers:
         student = truncate_layers(student, mc.student_from_teacher_layers)
-    if teacher is not None:
+    if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
+        student = apply_lora(student, mc.lora)
+    if mc.teacher == SELF:
+        teacher = self_teacher(student)
+    elif teacher is not None:
         check_compatible(tok, t_tok, student, teacher)
     return tok, student, teacher
 
@@ -262,6 +269,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
+        if cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(student)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
             check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
         oc = cfg.optim

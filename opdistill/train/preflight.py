@@ -25,7 +25,7 @@ def check_model_folders(cfg: TrainerConfig) -> None:
     from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     for key, name in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
-        if name:
+        if name and not (key == "model.teacher" and name == "self"):  # self: the LoRA student's base
             try:
                 path = resolve_model_path(name)
             except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
