@@ -126,3 +126,48 @@ def test_lora_config_errors(tmp_path):
         load_config(base=d)
     with pytest.raises(ConfigError, match=r"^model\.lora\.r: expected an integer >= 1, got 0$"):
         load_config(base=_cfg(tmp_path), overrides=["model.lora.r=0"])
+
+
+def test_export_merges_lora_into_a_plain_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opdistill.cli import main
+
+    cfg = load_config(base=_cfg(tmp_path, steps=2))
+    tok, student, teacher = load_models(cfg)
+    run_training(cfg, models=(tok, student, teacher), quiet=True)
+    out = tmp_path / "exported"
+    assert main(["export", cfg.run_dir, "--out", str(out)]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert not any("adapter" in n for n in names)
+    assert not any("lora" in k for k in load_file(str(out / "model.safetensors")))
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tok("12+34=", add_special_tokens=True)["input_ids"]])
+    with torch.no_grad():  # the merged model computes what the trained LoRA student computes
+        torch.testing.assert_close(loaded(input_ids=ids).logits, student(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == tok.get_vocab()
+    # refusals: an existing non-empty --out, a folder that is not a run
+    assert main(["export", cfg.run_dir, "--out", str(out)]) == 2
+    with pytest.raises(ConfigError, match=r"^--out: '.*exported' exists and is not an empty folder"):
+        from opdistill.train.export import export_run
+        export_run(cfg.run_dir, out)
+    with pytest.raises(ConfigError, match=r"^RUN_DIR: '.*nowhere' holds no config\.yaml"):
+        export_run(tmp_path / "nowhere", tmp_path / "o2")
+
+
+def test_export_of_a_full_fine_tune(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from opdistill.train.export import export_run
+
+    d = _cfg(tmp_path, steps=1)
+    d["model"]["lora"] = None
+    cfg = load_config(base=d)
+    tok, student, teacher = load_models(cfg)
+    run_training(cfg, models=(tok, student, teacher), quiet=True)
+    out = export_run(cfg.run_dir, tmp_path / "plain", checkpoint=str(latest_checkpoint(cfg.run_dir)))
+    ids = torch.tensor([tok("7+8=", add_special_tokens=True)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits,
+                                   student(input_ids=ids).logits, rtol=0, atol=0)
