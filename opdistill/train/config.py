@@ -158,9 +158,18 @@ class CheckpointConfig(_Section):
     save_final: bool = True
 
 
+class WandbConfig(_Section):
+    """``log.wandb``: Weights & Biases logging (the ``wandb`` extra; opdistill/train/wandb_log.py)."""
+
+    project: str = "opdistill"
+    name: Optional[str] = None  # the wandb run name; None = wandb's
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: files under RUN_DIR/wandb, no network
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
+    wandb: Optional[WandbConfig] = None  # null = no wandb
 
 
 class TrainerConfig(_Section):

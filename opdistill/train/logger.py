@@ -1,4 +1,5 @@
-"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar.
+"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, optional wandb
+(train/wandb_log.py), a console progress bar.
 
 metrics.jsonl is appended one whole line per ``os.write`` through a descriptor opened with ``O_NOFOLLOW`` (a symlink
 is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes.
@@ -27,7 +28,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, wandb=None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
@@ -42,6 +43,7 @@ class RunLogger:
                 self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
             except ImportError:  # tensorboard is an optional extra
                 self.tb = None
+        self.wandb = wandb  # a train.wandb_log.WandbLogger (log.wandb), or None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -58,6 +60,8 @@ class RunLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         if self.bar is not None:
             post = {}
             for key, short in PROGRESS_KEYS:
@@ -76,5 +80,7 @@ class RunLogger:
             self._fd = None
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.bar is not None:
             self.bar.close()

@@ -34,6 +34,7 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
+from opdistill.train.wandb_log import open_wandb
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.preflight import check_against_models
@@ -288,7 +289,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         else:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
-                           progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
+                           progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps,
+                           wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step))
 
         evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
