@@ -208,3 +208,53 @@ def test_reasoning_gym_task_by_name():
 def test_reasoning_gym_bad_args(kwargs, msg):
     with pytest.raises(ConfigError, match=msg):
         make_task("reasoning_gym", **kwargs)
+
+
+def test_trainer_trains_on_chat_rows_and_evaluates_only_held_out(tmp_path, monkeypatch):
+    """Acceptance: a jsonl of chat-format prompts and a separate eval file through `opdistill train`."""
+    import yaml
+
+    from opdistill.cli import main
+    from opdistill.data import prompts as prompts_mod
+    from opdistill.train import loop
+    from opdistill.train.logger import read_metrics
+    from tests.trainer_helpers import make_model_dir
+
+    chars = "abcdefghijklmnopqrstuvwxyz[]0123456789 ?#"
+    make_model_dir(tmp_path / "teacher", hidden=32, layers=2, seed=1, chars=chars, chat_template=CHAT)
+    make_model_dir(tmp_path / "student", hidden=16, layers=1, seed=2, chars=chars, chat_template=CHAT)
+    sys_msg = {"role": "system", "content": "answer after ####"}
+    train = _write(tmp_path / "train.jsonl", [{"prompt": [sys_msg, {"role": "user", "content": f"what is {i}"}],
+                                               "answer": str(i)} for i in range(12)])
+    ev = _write(tmp_path / "eval.jsonl", [{"prompt": [sys_msg, {"role": "user", "content": f"what is {i}"}],
+                                           "answer": str(i)} for i in range(50, 55)])
+    cfg = {"run_dir": str(tmp_path / "run"),
+           "model": {"student": str(tmp_path / "student"), "teacher": str(tmp_path / "teacher")},
+           "data": {"task": "dataset", "path": train, "eval_path": ev, "answer_field": "answer",
+                    "prompts_per_step": 3},
+           "rollout": {"n": 2, "max_new_tokens": 6},
+           "loss": {"loss_mode": "topk", "topk": 4}, "optim": {"lr": 1e-2},
+           "train": {"steps": 3, "threads": 1, "micro_batch_tokens": 200},
+           "eval": {"every": 2, "num_prompts": 100, "batch_size": 8},
+           "log": {"tensorboard": False, "progress": False}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    seen = {"train": [], "eval": []}
+    batch, run_eval = prompts_mod.PromptSource.batch, loop.run_eval
+
+    def spy_batch(self, step, n):
+        out = batch(self, step, n)
+        seen["train"] += [p.prompt[-1]["content"] for p in out]
+        return out
+
+    def spy_eval(cfg, tok, student, teacher, task, held_out):
+        seen["eval"].append(sorted(p.prompt[-1]["content"] for p in held_out))
+        return run_eval(cfg, tok, student, teacher, task, held_out)
+
+    monkeypatch.setattr(prompts_mod.PromptSource, "batch", spy_batch)
+    monkeypatch.setattr(loop, "run_eval", spy_eval)
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 0
+    held = sorted(f"what is {i}" for i in range(50, 55))
+    assert seen["eval"] == [held, held, held]  # before training, at step 2, at the end: the eval file's rows only
+    assert len(seen["train"]) == 9 and set(seen["train"]) <= {f"what is {i}" for i in range(12)}
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "eval/greedy_acc" in r] == [0, 2, 3]
