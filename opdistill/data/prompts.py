@@ -151,7 +151,8 @@ def _text(where: str, row: dict, field: str, key: str, *, chat: bool = False):
     if value is None:
         raise DataError(f"{where}: {field!r} is {'missing' if field not in row else 'null'} ({key}; every row needs it)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, expected a string ({key})")
+        expected = "a string or a list of {role, content} messages" if chat else "a string"
+        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, expected {expected} ({key})")
     if not str(value).strip():
         raise DataError(f"{where}: {field!r} is empty ({key}; every row needs it)")
     return str(value)
