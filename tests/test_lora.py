@@ -197,3 +197,14 @@ def test_smollm2_lora_self_distillation_trains_and_exports(tmp_path):
     ids = torch.tensor([tok("What is 2+3?")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, student(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_self_teacher_writes_off_policy_samples(tmp_path):
+    """The adapters-off teacher also drives the sampler (off-policy KD from the base into its LoRA student)."""
+    d = _cfg(tmp_path, teacher="self", steps=2, train={"method": "off_policy"})
+    cfg = load_config(base=d)
+    tok, student, teacher = load_models(cfg)
+    run_training(cfg, models=(tok, student, teacher), quiet=True)
+    rows = _metrics(tmp_path / "run")
+    assert [r[0] for r in rows] == [1, 2] and all(r[1] == r[1] for r in rows)
+    assert rows[0][1] == pytest.approx(0.0, abs=1e-6)  # the base's own samples, student == base at step 1
