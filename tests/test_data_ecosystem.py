@@ -144,6 +144,13 @@ def test_local_dataset_folder_and_splits(tmp_path):
     assert sorted(p.prompt for p in t.eval_rows) == ["e0", "e1", "e2"]
     with pytest.raises(DataError, match=r"^data\.eval_split: cannot load dataset '.*ds' split 'validation'"):
         DatasetTask(str(folder), "q", "a", eval_split="validation")
+    saved = tmp_path / "saved"  # a save_to_disk folder
+    d.save_to_disk(str(saved))
+    t = DatasetTask(str(saved), "q", "a", eval_split="test")
+    assert len(t.rows) == 8 and sorted(p.prompt for p in t.eval_rows) == ["e0", "e1", "e2"]
+    with pytest.raises(DataError, match=r"^data\.eval_split: cannot load dataset '.*saved' split 'dev': .*no split "
+                                        r"'dev' \(splits: \['train', 'test'\]\)"):
+        DatasetTask(str(saved), "q", "a", eval_split="dev")
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -57,14 +57,24 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[in
 
 
 def _load_hub(path: str, split: str, subset: str | None, key: str) -> list[tuple[str, dict]]:
-    """Rows of ``datasets.load_dataset(path, subset, split=split)`` (a hub name, or a local dataset folder); offline
+    """Rows of ``datasets.load_dataset(path, subset, split=split)`` (a hub name, or a local dataset folder; a
+    ``save_to_disk`` folder through ``load_from_disk``); offline
     (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``) it reads the local cache only. A failure is one DataError."""
     import datasets
 
     offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
                   for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    saved = os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                        for f in ("dataset_dict.json", "state.json"))
     try:
-        ds = datasets.load_dataset(path, subset, split=split)
+        if saved:  # a folder written by Dataset(Dict).save_to_disk
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise KeyError(f"no split {split!r} (splits: {list(ds)})")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(path, subset, split=split)
     except Exception as e:  # noqa: BLE001 -- datasets/hub raise many types (ConnectionError, FileNotFoundError, ...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         why = ("offline (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set) and it is not in the local cache: load it once "
