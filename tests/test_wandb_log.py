@@ -33,7 +33,7 @@ def test_wandb_offline_run_writes_its_files(tmp_path, monkeypatch):
     data = (runs[0] / f"run-{run_id}.wandb").read_bytes()
     assert b"distillation/loss" in data and b"train/grad_norm" in data  # per-step metrics
     assert b"carry_add" in data  # the config
-    tables = sorted(runs[0].glob("files/media/table/eval/*.table.json"), key=lambda p: p.stat().st_size)
+    tables = sorted(runs[0].glob("files/media/table/tables/eval_*.table.json"), key=lambda p: p.stat().st_size)
     table = json.loads(tables[-1].read_text())  # the last evaluation's table: one row per evaluation so far
     rows = read_metrics(d["run_dir"])
     evals = [r for r in rows if "eval/greedy_acc" in r]

@@ -2,7 +2,7 @@
 metrics.jsonl and TensorBoard.
 
 What goes to wandb: the resolved config (``wandb.config``), every step's metrics (the metrics.jsonl row, at its step),
-and at each evaluation an ``eval/table`` (one row per evaluation so far: step and every ``eval/*`` metric). Files go
+and at each evaluation a ``tables/eval`` table (one row per evaluation so far: step and every ``eval/*`` metric). Files go
 to ``RUN_DIR/wandb/`` (a run-dir entry: removed by ``--overwrite``). ``mode: offline`` writes the run there with no
 network (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later); ``disabled`` logs nothing. The wandb run id is
 kept in ``RUN_DIR/wandb/opdistill-run-id``, so ``--resume`` continues the same wandb run.
@@ -46,7 +46,7 @@ class WandbLogger:
         if evals:
             self.eval_rows.append({"step": step, **evals})
             columns = ["step"] + sorted({k for r in self.eval_rows for k in r if k != "step"})
-            row["eval/table"] = self.wandb.Table(columns=columns,
+            row["tables/eval"] = self.wandb.Table(columns=columns,
                                                  data=[[r.get(c) for c in columns] for r in self.eval_rows])
         self.run.log(row, step=step)
 
