@@ -19,13 +19,16 @@ def test_wandb_config_keys(tmp_path):
 
 
 def test_wandb_offline_run_writes_its_files(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there: offline must not need it
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     d = tiny_config_dict(tmp_path, steps=2, eval={"num_prompts": 2, "batch_size": 2, "every": 1})
     d["log"]["wandb"] = {"project": "opd-test", "name": "tiny", "mode": "offline"}
     run_training(load_config(base=d), quiet=True)
+    # run.finish() can return before wandb's writer service has flushed the offline file; a process exit waits for
+    # it (wandb's atexit teardown), which this in-process test does explicitly
+    wandb.teardown()
     folder = Path(d["run_dir"]) / "wandb"
     runs = list(folder.glob("offline-run-*"))
     assert len(runs) == 1
