@@ -1,4 +1,4 @@
-"""Command line: ``opdistill train | demo | eval | compare | plot | score`` (``--help`` on each)."""
+"""Command line: ``opdistill train | demo | eval | compare | plot | score | export`` (``--help`` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -134,6 +134,12 @@ def _cmd_score(args):
     print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
 
 
+def _cmd_export(args):
+    from opdistill.train.export import export_run
+
+    print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opdistill", description="Exact, memory-lean on-policy distillation.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
@@ -206,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fp16", action="store_true", help="store log-probs in float16 (default float32)")
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=_cmd_score)
+
+    x = sub.add_parser("export", help="write a run's student as a plain transformers folder (LoRA merged)",
+                       description="safetensors weights (LoRA adapters merged), config, generation config and "
+                                   "tokenizer: loadable by AutoModelForCausalLM.from_pretrained and vLLM.")
+    x.add_argument("run_dir")
+    x.add_argument("--checkpoint", default="latest",
+                   help="'latest' (the newest intact checkpoint, default) or a checkpoint folder")
+    x.add_argument("--out", required=True, help="output folder (new, or empty)")
+    x.set_defaults(fn=_cmd_export)
     return p
 
 

@@ -88,13 +88,15 @@ def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False, 
 
 
 def load_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_code: bool = False,
-               key: str | None = None):
+               key: str | None = None, attn_implementation: str | None = None):
     """AutoModelForCausalLM from a local folder (or hub name where a network exists), safetensors only, eval mode.
-    A missing or unloadable folder is a :class:`ModelError` naming ``key`` (e.g. ``model.student``) and the path."""
+    A missing or unloadable folder is a :class:`ModelError` naming ``key`` (e.g. ``model.student``) and the path.
+    ``attn_implementation`` (``model.attn_implementation``: sdpa, eager, ...) goes to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = _from_pretrained(lambda p: AutoModelForCausalLM.from_pretrained(
-        p, dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code), path, key)
+        p, dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code, **extra), path, key)
     model.eval()
     return model
 

@@ -89,9 +89,30 @@ def test_yaml_top_level_must_be_mapping(tmp_path):
 
 
 def test_shipped_configs_load():
-    for path in ("configs/demo_carry_add.yaml", "configs/smollm2_gsm_symbolic.yaml"):
+    from pathlib import Path
+
+    paths = sorted(Path("configs").glob("*.yaml"))
+    assert len(paths) >= 5
+    for path in paths:
         cfg = load_config(path)
-        assert cfg.model.student and cfg.model.teacher
+        assert cfg.model.student and cfg.model.teacher, path
+
+
+def test_shipped_example_data_builds():
+    from opdistill.data import PromptSource
+    from opdistill.train.loop import build_task
+
+    cfg = load_config("configs/chat_dataset_heldout.yaml")
+    task = build_task(cfg)
+    held = PromptSource(task, 0).held_out(cfg.eval.num_prompts)
+    assert len(held) == 10 and all(p.prompt[0]["role"] == "system" for p in held)
+    train = {p.prompt[-1]["content"] for p in task.rows}
+    assert len(train) == 30 and not train & {p.prompt[-1]["content"] for p in held}
+    assert all(task.score(p, f"so #### {p.answer}") == 1.0 for p in held)
+    rg = load_config("configs/reasoning_gym_task.yaml")
+    assert build_task(rg).held_out(2, 0)
+    lora = load_config("configs/smollm2_lora_self_distill.yaml")
+    assert lora.model.teacher == "self" and lora.model.lora.r == 16 and lora.train.gradient_checkpointing
 
 
 def test_teacher_cache_only_for_off_policy(tmp_path):

@@ -213,7 +213,9 @@ def test_task_args_errors_name_the_key():
     ("n.jsonl", '{"prompt": "a"}\n\n{"prompt": null}\n', "{p}:3: 'prompt' is null (data.prompt_field; every row needs it)"),
     ("n.jsonl", '{"prompt": "a"}\n{"prompt": "  "}\n', "{p}:2: 'prompt' is empty (data.prompt_field; every row needs it)"),
     ("n.jsonl", '{"prompt": "a"}\n{"question": "b"}\n', "{p}:2: 'prompt' is missing (data.prompt_field; every row needs it)"),
-    ("n.jsonl", '{"prompt": "a"}\n{"prompt": ["b"]}\n', "{p}:2: 'prompt' is a list, expected a string (data.prompt_field)"),
+    ("n.jsonl", '{"prompt": "a"}\n{"prompt": ["b"]}\n',  # a list is a chat prompt: its items must be messages
+     "{p}:2: 'prompt' message 0 is not a {{'role': str, 'content': str}} mapping (got 'b')"),
+    ("n.jsonl", '{"prompt": "a"}\n{"prompt": {"b": 1}}\n', "{p}:2: 'prompt' is a dict, expected a string or a list of {{role, content}} messages (data.prompt_field)"),
     ("n.csv", "prompt,answer\na,1\n,2\n", "{p}:3: 'prompt' is empty (data.prompt_field; every row needs it)"),
     ("n.csv", "prompt,answer\na,1\nb\n", "{p}:3: 'answer' is null (data.answer_field; every row needs it)"),
     ("n.csv", "prompt,answer\na,1,x\n", "{p}:2: more fields than the header's ['prompt', 'answer']"),

@@ -1,48 +1,100 @@
-"""Prompt sources: a seeded stream of problems per optimizer step, from a task generator or a local dataset file.
+"""Prompt sources: a seeded stream of problems per optimizer step, from a task generator or a dataset.
 
 ``batch(step, n)`` is a pure function of (seed, step), so the data position saved in a checkpoint is the step itself
-and a resumed run sees exactly the prompts the uninterrupted one would have seen. A held-out evaluation set is drawn
-from a separate stream keyed by ``eval_seed`` (not the training seed, so runs with different seeds are measured on the
-same problems). For generated tasks a training prompt can coincide with a held-out one by chance (the same problem
-drawn twice), as with any generator; the sets are not filtered against each other.
+and a resumed run sees exactly the prompts the uninterrupted one would have seen. The held-out evaluation set is the
+task's own held-out problems when it has them (a dataset's ``eval_path`` / ``eval_split`` / ``eval_fraction`` rows, a
+reasoning-gym task's eval problems: never trained on), in an order keyed by ``eval_seed``; otherwise it is drawn from
+a separate stream keyed by ``eval_seed`` (not the training seed, so runs with different seeds are measured on the same
+problems), and for generated tasks a training prompt can then coincide with a held-out one by chance. docs/data.md.
+
+Dataset rows (local jsonl/json/csv/parquet, a local dataset folder, or a hub name through
+``datasets.load_dataset(name, subset, split=)``) hold a plain-string prompt or a chat-format list of
+``{"role", "content"}`` messages (TRL's conversational format, system prompts included).
 """
 from __future__ import annotations
 
 import collections
 import csv
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import random
 import warnings
 
+from opdistill.data.answers import match_answer
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
 
-__all__ = ["PromptSource", "DatasetTask", "render_prompt", "truncate_prompt", "warn_unknown_chars"]
+__all__ = ["PromptSource", "DatasetTask", "render_prompt", "prompt_text", "split_held_out", "truncate_prompt",
+           "warn_unknown_chars"]
 
 
-def render_prompt(tokenizer, text: str, *, use_chat_template: bool = True) -> list[int]:
-    """Token ids of a prompt, through the tokenizer's chat template (generation prompt added) when it has one."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
+def prompt_text(prompt) -> str:
+    """The text of a prompt: the string itself, or a chat prompt's message contents, concatenated."""
+    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+
+
+def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[int]:
+    """Token ids of a prompt (a string, or a list of ``{"role", "content"}`` messages), through the tokenizer's chat
+    template (generation prompt added) when it has one. A chat prompt needs the template: without it (or with
+    ``use_chat_template`` off) it is a ConfigError."""
+    messages = not isinstance(text, str)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if messages and not (use_chat_template and has_template):
+        raise ConfigError("data.use_chat_template: chat-format prompts (lists of messages) are rendered with the "
+                          "tokenizer's chat template, " + ("which this tokenizer does not have; use plain-string "
+                          "prompts" if not has_template else "so it must be true"))
+    if use_chat_template and has_template:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+            list(text) if messages else [{"role": "user", "content": text}], add_generation_prompt=True,
+            tokenize=True, return_dict=False)
         if hasattr(ids, "keys"):  # some versions return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def _read_rows(path: str) -> list[tuple[str, dict]]:
-    """(where, row) pairs of a local jsonl/json/csv/parquet file (or a hub dataset); ``where`` is 'FILE:LINE'."""
-    ext = path.rsplit(".", 1)[-1].lower()
-    if ext not in ("jsonl", "json", "csv", "parquet"):  # a hub dataset name, where a network exists
-        import datasets
+def _load_hub(path: str, split: str, subset: str | None, key: str) -> list[tuple[str, dict]]:
+    """Rows of ``datasets.load_dataset(path, subset, split=split)`` (a hub name, or a local dataset folder; a
+    ``save_to_disk`` folder through ``load_from_disk``); offline
+    (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``) it reads the local cache only. A failure is one DataError."""
+    import datasets
 
-        return [(f"{path} row {i + 1}", r) for i, r in enumerate(datasets.load_dataset(path, split="train"))]
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+                  for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    saved = os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                        for f in ("dataset_dict.json", "state.json"))
+    try:
+        if saved:  # a folder written by Dataset(Dict).save_to_disk
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise KeyError(f"no split {split!r} (splits: {list(ds)})")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(path, subset, split=split)
+    except Exception as e:  # noqa: BLE001 -- datasets/hub raise many types (ConnectionError, FileNotFoundError, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = ("offline (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set) and it is not in the local cache: load it once "
+               "with a network, or use a local file" if offline else
+               "not a local file or dataset folder, and the hub could not provide it (no network? a wrong name, "
+               "subset or split?)")
+        raise DataError(f"{key}: cannot load dataset '{path}'" + (f" subset '{subset}'" if subset else "")
+                        + f" split '{split}': {why} ({type(e).__name__}: {first})") from None
+    return [(f"{path}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+
+
+def _read_rows(path: str, *, split: str = "train", subset: str | None = None,
+               key: str = "data.path") -> list[tuple[str, dict]]:
+    """(where, row) pairs of a local jsonl/json/csv/parquet file, a local dataset folder or a hub dataset (its
+    ``split``); ``where`` is 'FILE:LINE'."""
+    ext = path.rsplit(".", 1)[-1].lower()
+    if os.path.isdir(path) or ext not in ("jsonl", "json", "csv", "parquet"):
+        return _load_hub(path, split, subset, key)
     if not os.path.isfile(path):
-        raise DataError(f"data.path: no such file '{path}'")
+        raise DataError(f"{key}: no such file '{path}'")
     if ext == "parquet":
         import pyarrow.parquet as pq
 
@@ -85,69 +137,159 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
     return pairs
 
 
-def _text(where: str, row: dict, field: str, key: str) -> str:
+def _messages(where: str, value: list, field: str, key: str) -> list[dict]:
+    """A chat-format prompt checked: a non-empty list of {role, content} string pairs, not ending with the
+    assistant (the model writes that turn)."""
+    if not value:
+        raise DataError(f"{where}: {field!r} is an empty list of messages ({key}; every row needs a prompt)")
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field!r} message {j} is not a {{'role': str, 'content': str}} mapping "
+                            f"(got {m!r:.80})")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] == "assistant":
+        raise DataError(f"{where}: {field!r} ends with an assistant message; a prompt ends with the turn the model "
+                        f"answers (drop the assistant reply, or put it in data.answer_field)")
+    return out
+
+
+def _text(where: str, row: dict, field: str, key: str, *, chat: bool = False):
     value = row.get(field)
+    if chat and isinstance(value, (list, tuple)):
+        return _messages(where, list(value), field, key)
     if value is None:
         raise DataError(f"{where}: {field!r} is {'missing' if field not in row else 'null'} ({key}; every row needs it)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, expected a string ({key})")
+        expected = "a string or a list of {role, content} messages" if chat else "a string"
+        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, expected {expected} ({key})")
     if not str(value).strip():
         raise DataError(f"{where}: {field!r} is empty ({key}; every row needs it)")
     return str(value)
 
 
+def _key(prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def split_held_out(prompts: list, fraction: float) -> set[str]:
+    """The held-out share of ``prompts`` for ``data.eval_fraction``: the distinct prompts sorted by the SHA-256 of
+    their text (a chat prompt: its messages as sorted-key JSON), the first ``ceil(fraction * distinct)`` of them
+    (at least one, and at least one left for training). Returns their keys. Every row whose prompt is among them is
+    held out, so a prompt that appears twice is never on both sides; the split depends on the prompts only (not on
+    the row order, a seed or the file name), so it is the same on every run and machine."""
+    distinct = sorted({_key(p) for p in prompts}, key=lambda k: hashlib.sha256(k.encode()).hexdigest())
+    if len(distinct) < 2:
+        raise DataError(f"data.eval_fraction: the dataset has {len(distinct)} distinct prompt(s); a split needs two "
+                        f"or more (or give data.eval_path)")
+    n = min(len(distinct) - 1, max(1, math.ceil(fraction * len(distinct))))
+    return set(distinct[:n])
+
+
 class DatasetTask(Task):
-    """Prompts from a local jsonl/json/csv/parquet file; optional substring verifier on ``answer_field``.
+    """Prompts from a dataset (local jsonl/json/csv/parquet file, local dataset folder or hub name); optional
+    verifier on ``answer_field`` (``answer_match``: math, exact or contains; opdistill/data/answers.py).
+
+    Held-out rows, never trained on: ``eval_path`` (another file or dataset; ``eval_split`` its split, default
+    ``split``), or ``eval_split`` alone (another split of ``path``), or ``eval_fraction`` (a deterministic share of
+    ``path``'s distinct prompts: :func:`split_held_out`). With none of them there is no held-out set and
+    PromptSource draws evaluation prompts from the training rows (a warning says so in the trainer).
 
     Every row is read and checked at construction: an empty file, a malformed line, a missing, null or empty prompt
     (or answer, when ``answer_field`` is set) is a :class:`DataError` naming the file and the line. ``where[i]`` is
-    row i's 'FILE:LINE', for later messages (over-long prompts, unknown characters)."""
+    row i's 'FILE:LINE' (``eval_where`` for the held-out rows), for later messages (over-long prompts, unknown
+    characters). A prompt cell holding a list is a chat prompt (``[{"role", "content"}, ...]``)."""
 
     name = "dataset"
 
-    def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str | None = None):
-        pairs = _read_rows(path)
+    def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str | None = None, *,
+                 split: str = "train", subset: str | None = None, eval_path: str | None = None,
+                 eval_split: str | None = None, eval_fraction: float | None = None, answer_match: str = "math"):
+        if sum(x is not None for x in (eval_path, eval_fraction)) > 1 or (eval_fraction is not None and eval_split):
+            raise ConfigError("data.eval_fraction: expected one held-out source: data.eval_path (with an optional "
+                              "data.eval_split), data.eval_split alone, or data.eval_fraction")
+        self.where, self.rows = self._load(path, prompt_field, answer_field, split, subset, "data.path")
+        self.eval_where, self.eval_rows = [], []
+        if eval_path is not None or eval_split is not None:
+            self.eval_where, self.eval_rows = self._load(
+                eval_path or path, prompt_field, answer_field, eval_split or split, subset,
+                "data.eval_path" if eval_path is not None else "data.eval_split")
+            train = {_key(p.prompt) for p in self.rows}
+            shared = sum(_key(p.prompt) in train for p in self.eval_rows)
+            if shared:
+                warnings.warn(f"data: {shared} of the {len(self.eval_rows)} held-out prompts of "
+                              f"{eval_path or path} also appear in the training rows of {path}; they are measured "
+                              f"after being trained on", stacklevel=2)
+        elif eval_fraction is not None:
+            held = split_held_out([p.prompt for p in self.rows], eval_fraction)
+            side = [_key(p.prompt) in held for p in self.rows]
+            self.eval_where = [w for w, h in zip(self.where, side) if h]
+            self.eval_rows = [p for p, h in zip(self.rows, side) if h]
+            self.where = [w for w, h in zip(self.where, side) if not h]
+            self.rows = [p for p, h in zip(self.rows, side) if not h]
+        self.path, self.has_answers, self.answer_match = path, answer_field is not None, answer_match
+        self.has_held_out = bool(self.eval_rows)
+
+    @staticmethod
+    def _load(path, prompt_field, answer_field, split, subset, key):
+        pairs = _read_rows(path, split=split, subset=subset, key=key)
         if not pairs:
             raise DataError(f"{path}: no rows (the file is empty)")
         columns = list(pairs[0][1])
-        for field, key in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field")):
+        for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field")):
             if field is not None and field not in columns:
-                raise ConfigError(f"{key}: {field!r} is not a column of {path} (columns: {columns})")
-        self.where = [w for w, _ in pairs]
-        self.rows = [Problem(prompt=_text(w, r, prompt_field, "data.prompt_field"),
-                             answer="" if answer_field is None else _text(w, r, answer_field, "data.answer_field"))
-                     for w, r in pairs]
-        self.path, self.has_answers = path, answer_field is not None
+                raise ConfigError(f"{fkey}: {field!r} is not a column of {path} (columns: {columns})")
+        rows = [Problem(prompt=_text(w, r, prompt_field, "data.prompt_field", chat=True),
+                        answer="" if answer_field is None else _text(w, r, answer_field, "data.answer_field"))
+                for w, r in pairs]
+        return [w for w, _ in pairs], rows
 
     def sample(self, rng: random.Random) -> Problem:
         return self.rows[rng.randrange(len(self.rows))]
 
+    def held_out(self, n: int, seed: int) -> list[Problem] | None:
+        """The held-out rows (none repeated), the first ``n`` of an order keyed by ``seed``; None without them."""
+        if not self.eval_rows:
+            return None
+        order = list(range(len(self.eval_rows)))
+        random.Random(f"eval/{seed}").shuffle(order)
+        return [self.eval_rows[i] for i in order[:n]]
+
     def score(self, problem: Problem, completion: str) -> float:
         if not self.has_answers:
             return float("nan")
-        return float(problem.answer.strip() in completion)
+        return match_answer(problem.answer, completion, self.answer_match)
 
     def fit_prompts(self, tokenizer, max_tokens: int, *, overlong: str = "error", use_chat_template: bool = True):
         """Refuse (``overlong="error"``, a DataError naming the first file:line) or cut the end of the text of
-        (``"truncate"``, one warning with the count) every prompt whose rendered ids exceed ``max_tokens``; warn once
-        with a count when characters map to the tokenizer's unknown token."""
-        too_long = warn_unknown_chars(tokenizer, [p.prompt for p in self.rows], self.where, self.path,
+        (``"truncate"``, one warning with the count; plain-string prompts only) every prompt, training or held-out,
+        whose rendered ids exceed ``max_tokens``; warn once with a count when characters map to the tokenizer's
+        unknown token."""
+        for rows, where in ((self.rows, self.where), (self.eval_rows, self.eval_where)):
+            if rows:
+                self._fit(rows, where, tokenizer, max_tokens, overlong, use_chat_template)
+
+    def _fit(self, rows, where, tokenizer, max_tokens, overlong, use_chat_template):
+        too_long = warn_unknown_chars(tokenizer, [p.prompt for p in rows], where, self.path,
                                       max_tokens=max_tokens, use_chat_template=use_chat_template)
         if not too_long:
             return
         i, n = too_long[0]
         if overlong == "error":
-            raise DataError(f"{self.where[i]}: the prompt is {n} tokens, more than the {max_tokens} the model allows "
+            raise DataError(f"{where[i]}: the prompt is {n} tokens, more than the {max_tokens} the model allows "
                             f"(its positions minus max_new_tokens); {len(too_long)} prompt(s) are too long: shorten "
                             "them or set data.overlong=truncate")
         for j, _ in too_long:
-            cut = truncate_prompt(tokenizer, self.rows[j].prompt, max_tokens, use_chat_template=use_chat_template)
+            if not isinstance(rows[j].prompt, str):
+                raise DataError(f"{where[j]}: the chat prompt is longer than the {max_tokens} tokens the model "
+                                "allows, and data.overlong=truncate cuts plain-string prompts only: shorten it")
+            cut = truncate_prompt(tokenizer, rows[j].prompt, max_tokens, use_chat_template=use_chat_template)
             if cut is None:
-                raise DataError(f"{self.where[j]}: the chat template alone is longer than the {max_tokens} tokens "
+                raise DataError(f"{where[j]}: the chat template alone is longer than the {max_tokens} tokens "
                                 "the model allows; lower rollout.max_new_tokens / eval.max_new_tokens")
-            self.rows[j] = dataclasses.replace(self.rows[j], prompt=cut)
+            rows[j] = dataclasses.replace(rows[j], prompt=cut)
         warnings.warn(f"data: cut the end of {len(too_long)} prompt(s) of {self.path} to fit {max_tokens} tokens "
-                      f"(data.overlong=truncate; first: {self.where[i]}, {n} tokens)", stacklevel=2)
+                      f"(data.overlong=truncate; first: {where[i]}, {n} tokens)", stacklevel=3)
 
 
 def warn_unknown_chars(tokenizer, texts: list[str], where: list[str], source: str, *, max_tokens: int | None = None,
@@ -162,6 +304,7 @@ def warn_unknown_chars(tokenizer, texts: list[str], where: list[str], source: st
                 too_long.append((i, n))
         if unk is None:
             continue
+        text = prompt_text(text)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         spans = [s for t, s in zip(enc["input_ids"], enc.get("offset_mapping") or [(0, 0)] * len(enc["input_ids"]))
                  if t == unk]
@@ -200,5 +343,10 @@ class PromptSource:
         return [self.task.sample(rng) for _ in range(n)]
 
     def held_out(self, n: int) -> list[Problem]:
+        """The task's own held-out problems when it has them (never trained on); else ``n`` draws keyed by
+        ``eval_seed``."""
+        own = self.task.held_out(n, self.eval_seed)
+        if own is not None:
+            return own
         rng = random.Random(f"eval/{self.eval_seed}")
         return [self.task.sample(rng) for _ in range(n)]

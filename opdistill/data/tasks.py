@@ -23,16 +23,22 @@ from dataclasses import dataclass
 
 from opdistill.errors import ConfigError
 
-__all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "make_task", "CARRY_ADD_CHARS"]
+__all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "ReasoningGymTask", "make_task",
+           "CARRY_ADD_CHARS"]
 
 CARRY_ADD_CHARS = "0123456789+=,>"
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    """``prompt`` is a plain string, or a chat-format list of ``{"role", "content"}`` messages (system prompts
+    included) rendered with the tokenizer's chat template; ``index`` is the row of the task's dataset it came from
+    (reasoning-gym tasks score with it), None for generated problems."""
+
+    prompt: str | list
     answer: str
     solution: str | None = None
+    index: int | None = None
 
 
 class Task(abc.ABC):
@@ -45,6 +51,11 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def score(self, problem: Problem, completion: str) -> float: ...
+
+    def held_out(self, n: int, seed: int) -> list[Problem] | None:
+        """The task's own held-out problems (disjoint from the training ones), at most ``n``, in an order keyed by
+        ``seed``; None when the task has no separate held-out set (PromptSource then draws from ``sample``)."""
+        return None
 
 
 class CarryAdditionTask(Task):
@@ -107,9 +118,74 @@ class GsmSymbolicTask(Task):
             return 0.0
 
 
-def make_task(name: str, **kwargs) -> Task:
+class ReasoningGymTask(Task):
+    """Any reasoning-gym task by name, scored by its own verifier (``score_answer``).
+
+    ``data.task_args: {name: leg_counting, size: 1000, seed: 0, eval_size: 200, ...}``: the other keys go to the
+    task's config (``reasoning_gym.create_dataset(name, seed=, size=, **config)``). The prompt is chat-format: the
+    reasoning-gym default system prompt (think, then answer inside ``<answer></answer>``) and the question; the answer
+    is extracted with reasoning-gym's ``extract_answer`` (None scores 0) and scored by the dataset's ``score_answer``
+    (a float in [0, 1]; some tasks give partial credit). Training draws from ``size`` problems built with ``seed``;
+    the held-out set is ``eval_size`` problems built with another seed, minus any whose question is also a training
+    question, so no held-out problem is trained on."""
+
+    name = "reasoning_gym"
+
+    def __init__(self, name: str, size: int = 1000, seed: int = 0, eval_size: int = 200, system_prompt: str | None =
+                 "default", **config):
+        import reasoning_gym
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        if system_prompt is not None and system_prompt not in SYSTEM_PROMPTS:
+            raise ConfigError(f"data.task_args.system_prompt: expected one of {sorted(SYSTEM_PROMPTS)} or null, got "
+                              f"{system_prompt!r}")
+        if size < 1 or eval_size < 0:
+            raise ConfigError(f"data.task_args: expected size >= 1 and eval_size >= 0, got {size}, {eval_size}")
+        try:
+            self.data = reasoning_gym.create_dataset(name, seed=seed, size=size, **config)
+            self.eval_data = reasoning_gym.create_dataset(name, seed=seed + 1_000_003, size=eval_size, **config) \
+                if eval_size else None
+        except ValueError as e:  # 'Dataset 'x' not registered', or the task config's own checks
+            raise ConfigError(f"data.task_args: reasoning_gym {name!r}: {e}") from None
+        except TypeError as e:  # an unknown config key
+            raise ConfigError(f"data.task_args: reasoning_gym {name!r} does not take these arguments ({e})") from None
+        self.task_name, self.size = name, size
+        self.system = SYSTEM_PROMPTS[system_prompt] if system_prompt is not None else None
+        train_q = {self.data[i]["question"] for i in range(size)}
+        self.eval_index = [i for i in range(eval_size) if self.eval_data[i]["question"] not in train_q]
+
+    def _problem(self, entry: dict, index: int) -> Problem:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + \
+            [{"role": "user", "content": entry["question"]}]
+        return Problem(prompt=msgs, answer=str(entry["answer"]), solution=None, index=index)
+
+    def sample(self, rng: random.Random) -> Problem:
+        i = rng.randrange(self.size)
+        return self._problem(self.data[i], i)
+
+    def held_out(self, n: int, seed: int) -> list[Problem]:
+        order = list(self.eval_index)
+        random.Random(f"eval/{seed}").shuffle(order)
+        return [self._problem(self.eval_data[i], -1 - i) for i in order[:n]]  # negative index: the eval dataset
+
+    def score(self, problem: Problem, completion: str) -> float:
+        from reasoning_gym.utils import extract_answer
+
+        i = problem.index
+        entry = self.data[i] if i >= 0 else self.eval_data[-1 - i]
+        answer = extract_answer(completion)
+        if answer is None:
+            return 0.0
+        return float(self.data.score_answer(answer=answer, entry=entry))
+
+
+def make_task(name: str, /, **kwargs) -> Task:
     """The task ``name`` built with ``kwargs`` (``data.task_args``); a bad argument is a ConfigError naming the key."""
-    tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask}
+    tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask, "reasoning_gym": ReasoningGymTask}
+    if name == "reasoning_gym" and "name" not in kwargs:
+        raise ConfigError("data.task_args.name: expected a reasoning-gym task name (e.g. leg_counting), got nothing")
+    if name == "reasoning_gym":  # the task's own config keys pass through
+        return ReasoningGymTask(**kwargs)
     if name not in tasks:
         raise ConfigError(f"data.task: expected one of {sorted(tasks)}, got {name!r}")
     params = [p for p in inspect.signature(tasks[name]).parameters]

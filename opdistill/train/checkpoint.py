@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from opdistill.train.lora import ADAPTERS, load_adapters, save_model
 from opdistill.train.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
                                     check_not_symlink)
 
@@ -166,7 +167,7 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
     for name in files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{mpath}: lists {name!r}, which is outside the checkpoint folder")
-    needed = only if only is not None else _REQUIRED
+    needed = only if only is not None else _REQUIRED if ADAPTERS not in files else (ADAPTERS,) + _REQUIRED[1:]
     for name in needed:
         if name not in files:
             raise CheckpointError(f"{path / name}: not listed in {mpath}")
@@ -293,7 +294,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     check_not_symlink(final)
     tmp = ckpt_dir / f"{_TMP}{final.name}-{os.getpid()}"
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     tensors, meta = _split_state(optimizer, scheduler)
@@ -326,18 +327,25 @@ def load_weights(path: str | Path, model) -> dict | None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / WEIGHTS).is_file():
+    name = ADAPTERS if (path / ADAPTERS).is_file() else WEIGHTS  # a LoRA student's checkpoint holds its adapters
+    if not (path / name).is_file():
         raise CheckpointError(f"{path / WEIGHTS}: missing; --checkpoint must be a checkpoint folder "
                               f"(checkpoints/step_NNNNNNNN) holding {WEIGHTS}")
     manifest = None
     if (path / MANIFEST).exists():
-        manifest = verify_checkpoint(path, only=(WEIGHTS,))
+        manifest = verify_checkpoint(path, only=(name,))
     else:
-        warnings.warn(f"{path}: no {MANIFEST}; loading {WEIGHTS} unverified", RunWarning, stacklevel=2)
+        warnings.warn(f"{path}: no {MANIFEST}; loading {name} unverified", RunWarning, stacklevel=2)
     try:
-        weights = load_file(str(path / WEIGHTS))
+        weights = load_file(str(path / name))
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types on a bad header
-        raise CheckpointError(f"{path / WEIGHTS}: not a readable safetensors file ({e})") from e
+        raise CheckpointError(f"{path / name}: not a readable safetensors file ({e})") from e
+    if name == ADAPTERS:
+        try:
+            load_adapters(model, weights, str(path / name))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        return manifest
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:

@@ -18,7 +18,7 @@ import dataclasses
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
+__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
            "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -38,18 +38,40 @@ class _Section(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class LoraConfig(_Section):
+    """``model.lora``: LoRA adapters on the student (peft; the ``lora`` extra). lm_head is frozen, never adapted."""
+
+    r: int = Field(8, ge=1)  # adapter rank
+    alpha: float = Field(16.0, gt=0)  # scaling: alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"  # module names (q_proj, ...) or all-linear
+
+
 class ModelConfig(_Section):
     student: str = ""  # folder (or hub name) of the student; "builtin:demo-student" for the packaged demo model
-    teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"
+    teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"; "self": the LoRA student's base
     student_from_teacher_layers: Optional[int] = Field(None, ge=1)  # the student = the teacher's first N layers
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float16 training is refused
     trust_remote_code: bool = False
+    # --- LoRA students and attention (docs/trainer.md "LoRA students") ---
+    lora: Optional[LoraConfig] = None  # LoRA adapters on the student (only they train); null = full fine-tuning
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _self_teacher(self):
+        if self.teacher == "self" and self.lora is None:
+            raise ConfigError("model.teacher: 'self' (the student's base model with the LoRA adapters off) needs "
+                              "model.lora, got model.lora null")
+        if self.teacher == "self" and self.student_from_teacher_layers is not None:
+            raise ConfigError(f"model.student_from_teacher_layers: expected null with model.teacher 'self', got "
+                              f"{self.student_from_teacher_layers}")
+        return self
 
 
 class DataConfig(_Section):
-    task: Literal["carry_add", "gsm_symbolic", "dataset"] = "carry_add"
-    task_args: dict = {}  # keyword arguments of the task generator
-    path: Optional[str] = None  # local jsonl/json/csv/parquet file for task "dataset"
+    task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset"] = "carry_add"
+    task_args: dict = {}  # keyword arguments of the task generator (reasoning_gym: {name: TASK, size, seed, ...})
+    path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
     answer_field: Optional[str] = None
     use_chat_template: bool = True
@@ -57,11 +79,25 @@ class DataConfig(_Section):
     eval_seed: int = Field(0, ge=0, le=SEED_MAX)  # the held-out set and the evaluation's sampling stream
     teacher_cache: Optional[str] = None  # off_policy only: train on the rows of an `opdistill score` cache, in order
     overlong: Literal["error", "truncate"] = "error"  # a dataset prompt longer than the model allows
+    # --- held-out rows, hub datasets and answer checking (docs/data.md) ---
+    split: str = "train"  # the split of data.path read for training (hub names and dataset folders)
+    subset: Optional[str] = None  # the hub dataset's configuration name (load_dataset(path, subset)), e.g. "main"
+    eval_path: Optional[str] = None  # held-out rows from another file / dataset (split: eval_split, default split)
+    eval_split: Optional[str] = None  # held-out rows from this split (of eval_path, else of path)
+    eval_fraction: Optional[float] = Field(None, gt=0, lt=1)  # or: hold out this share of path's distinct prompts
+    answer_match: Literal["math", "exact", "contains"] = "math"  # how answer_field is checked (opdistill/data/answers.py)
 
     @model_validator(mode="after")
     def _rules(self):
         if self.task == "dataset" and not self.path:
             raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {self.path!r}")
+        for key in ("eval_path", "eval_split", "eval_fraction"):
+            if getattr(self, key) is not None and self.task != "dataset":
+                raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
+                                  f"problems), got {getattr(self, key)!r} with data.task {self.task!r}")
+        if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
+            raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
+                              f"held-out rows, got {self.eval_fraction!r}")
         return self
 
 
@@ -105,6 +141,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, le=SEED_MAX)
     threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
     max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
 
 
 class EvalConfig(_Section):
@@ -127,9 +164,18 @@ class CheckpointConfig(_Section):
     save_final: bool = True
 
 
+class WandbConfig(_Section):
+    """``log.wandb``: Weights & Biases logging (the ``wandb`` extra; opdistill/train/wandb_log.py)."""
+
+    project: str = "opdistill"
+    name: Optional[str] = None  # the wandb run name; None = wandb's
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: files under RUN_DIR/wandb, no network
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
+    wandb: Optional[WandbConfig] = None  # null = no wandb
 
 
 class TrainerConfig(_Section):
@@ -232,8 +278,9 @@ def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -
         field = getattr(section, "model_fields", {}).get(part)
         if field is None:
             break
-        if i < len(path) - 1:
-            section = field.annotation
+        if i < len(path) - 1:  # an Optional[Section] (model.lora) walks into the section
+            section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                            if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation)
     if e["type"] == "extra_forbidden":
         where = ".".join(map(str, loc[:-1]))
         return ConfigError(f"{key}: unknown key (known keys{' of ' + where if where else ''}: {list(section.model_fields)})")

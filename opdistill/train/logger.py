@@ -1,4 +1,5 @@
-"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, a console progress bar.
+"""Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, optional wandb
+(train/wandb_log.py), a console progress bar.
 
 metrics.jsonl is appended one whole line per ``os.write`` through a descriptor opened with ``O_NOFOLLOW`` (a symlink
 is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes. It stays
@@ -67,7 +68,7 @@ class _TensorBoardThread:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, wandb=None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
@@ -84,6 +85,7 @@ class RunLogger:
             if self.tb is not None and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
                 self._sigterm_installed = True
+        self.wandb = wandb  # a train.wandb_log.WandbLogger (log.wandb), or None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -98,6 +100,8 @@ class RunLogger:
             raise OSError(f"{self.path}: short write (disk full?)")
         if self.tb is not None:
             self.tb.put(step, [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)])
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         if self.bar is not None:
             post = {}
             for key, short in PROGRESS_KEYS:
@@ -117,6 +121,8 @@ class RunLogger:
         if self.tb is not None:
             self._restore_sigterm()
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.bar is not None:
             self.bar.close()
 

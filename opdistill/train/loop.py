@@ -35,6 +35,8 @@ from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
 from opdistill.train.optim import build_optimizer
+from opdistill.train.wandb_log import open_wandb
+from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
@@ -63,8 +65,11 @@ def resolve_model_path(name: str) -> str:
 
 
 def build_task(cfg: TrainerConfig) -> Task:
-    if cfg.data.task == "dataset":
-        return DatasetTask(cfg.data.path, cfg.data.prompt_field, cfg.data.answer_field)
+    dc = cfg.data
+    if dc.task == "dataset":
+        return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
+                           eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
+                           answer_match=dc.answer_match)
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
@@ -73,16 +78,22 @@ def load_models(cfg: TrainerConfig):
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
-    if mc.teacher:
+    if mc.teacher and mc.teacher != SELF:
         teacher_path = resolve_model_path(mc.teacher)
-        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
+        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                             attn_implementation=mc.attn_implementation)
         teacher.requires_grad_(False)
         t_tok = load_tokenizer(teacher_path, trust_remote_code=mc.trust_remote_code)
     tok = load_tokenizer(student_path, trust_remote_code=mc.trust_remote_code)
-    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
+    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                         attn_implementation=mc.attn_implementation)
     if mc.student_from_teacher_layers:
         student = truncate_layers(student, mc.student_from_teacher_layers)
-    if teacher is not None:
+    if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
+        student = apply_lora(student, mc.lora)
+    if mc.teacher == SELF:
+        teacher = self_teacher(student)
+    elif teacher is not None:
         check_compatible(tok, t_tok, student, teacher)
     return tok, student, teacher
 
@@ -261,6 +272,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
+        if cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(student)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
             check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
         oc = cfg.optim
@@ -278,7 +291,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         else:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
-                           progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
+                           progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps,
+                           wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step))
 
         evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,

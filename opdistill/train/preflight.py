@@ -6,6 +6,8 @@ K against the vocabulary, prompt length against the model's positions, the weigh
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from opdistill.data import DatasetTask, PromptSource, Task
@@ -23,7 +25,7 @@ def check_model_folders(cfg: TrainerConfig) -> None:
     from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     for key, name in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
-        if name:
+        if name and not (key == "model.teacher" and name == "self"):  # self: the LoRA student's base
             try:
                 path = resolve_model_path(name)
             except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
@@ -70,6 +72,10 @@ def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: 
         raise ConfigError(f"{new_key}: expected at most {positions - 1} (the model has {positions} positions and a "
                           f"prompt needs at least one), got {new}")
     if isinstance(task, DatasetTask):
+        if not task.has_held_out and cfg.eval.num_prompts:
+            warnings.warn(f"data: {cfg.data.path} has no held-out rows, so eval/* measures prompts drawn from the "
+                          f"training rows; set data.eval_path, data.eval_split or data.eval_fraction (docs/data.md)",
+                          stacklevel=2)
         task.fit_prompts(tokenizer, budget, overlong=cfg.data.overlong, use_chat_template=cfg.data.use_chat_template)
         return
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)

@@ -50,7 +50,8 @@ RESUMABLE_KEYS = (
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
-RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png")
+RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png",
+               "wandb")
 _LOCK = ".lock"
 
 
