@@ -51,6 +51,8 @@ MANIFEST = "manifest.json"
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 WEIGHTS = "model.safetensors"
+DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer state (torch.distributed.checkpoint)
+DCP_METADATA = f"{DCP_DIR}/.metadata"
 _REQUIRED = (WEIGHTS, STATE_JSON, STATE_TENSORS)
 # Test hook: called after the files are written and before the rename (a test kills the process here).
 _before_rename_hook = None
@@ -69,9 +71,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
-    """(tensors, JSON-able dict) holding the optimizer, scheduler and RNG states."""
+    """(tensors, JSON-able dict) holding the optimizer (unless None: a sharded checkpoint keeps it in DCP),
+    scheduler and RNG states."""
     tensors, opt_scalars = {}, {}
-    opt = optimizer.state_dict()
+    opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     for idx, st in opt["state"].items():
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
@@ -84,8 +87,9 @@ def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
     tensors["rng/numpy_keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy())
     py_version, py_internal, py_gauss = rng["python"]
     meta = {
-        "optimizer": {"param_groups": opt["param_groups"], "state_scalars": opt_scalars,
-                      "state_params": sorted(int(i) for i in opt["state"])},
+        "optimizer": None if optimizer is None else {
+            "param_groups": opt["param_groups"], "state_scalars": opt_scalars,
+            "state_params": sorted(int(i) for i in opt["state"])},
         "scheduler": scheduler.state_dict(),
         "rng": {"numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
                 "python": [py_version, list(py_internal), py_gauss]},
@@ -94,7 +98,7 @@ def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
 
 
 def _restore_state(tensors: dict, meta: dict, optimizer, scheduler) -> None:
-    if optimizer is not None:
+    if optimizer is not None and meta["optimizer"] is not None:
         om = meta["optimizer"]
         state = {}
         for idx in om["state_params"]:
@@ -127,13 +131,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_manifest(folder: Path, step: int) -> None:
+def _write_manifest(folder: Path, step: int, layout: str = "single") -> None:
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             rel = p.relative_to(folder).as_posix()
             files[rel] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
     manifest = {"format": "opdistill-checkpoint", "version": FORMAT_VERSION, "step": step, "files": files}
+    if layout != "single":
+        manifest["layout"] = layout
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -166,7 +172,10 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
     for name in files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{mpath}: lists {name!r}, which is outside the checkpoint folder")
-    needed = only if only is not None else _REQUIRED
+    layout = manifest.get("layout", "single")
+    if layout not in ("single", "dcp"):
+        raise CheckpointError(f"{mpath}: unknown checkpoint layout {layout!r} (expected single or dcp)")
+    needed = only if only is not None else _REQUIRED + ((DCP_METADATA,) if layout == "dcp" else ())
     for name in needed:
         if name not in files:
             raise CheckpointError(f"{path / name}: not listed in {mpath}")
@@ -275,12 +284,48 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int = 2,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, group=None) -> Path:
     """Write checkpoint ``step`` atomically (``state``: JSON-able run state, e.g. training time and history); keep
-    the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state."""
+    the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state. ``group``: the
+    data-parallel group of a multi-process run (every rank calls this): a sharded checkpoint (module docstring)."""
     from safetensors.torch import save_file
 
+    if group is not None:
+        return _save_sharded(run_dir, step, model, optimizer, scheduler, state, keep_last=keep_last,
+                             tokenizer=tokenizer, group=group)
     _check_finite(model, optimizer, step)
+    tmp, final = _prepare_dirs(run_dir, step, str(os.getpid()))
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tensors, meta = _split_state(optimizer, scheduler)
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    meta = {"step": step, **state, **meta}
+    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
+    return _finish(run_dir, tmp, final, step, keep_last, "single")
+
+
+def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
+    """fsync, manifest last, rename into place, prune to ``keep_last``."""
+    _fsync_tree(tmp)
+    _write_manifest(tmp, step, layout)  # last: a folder with a valid manifest is complete
+    if _before_rename_hook is not None:
+        _before_rename_hook(tmp)
+    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in [p for p in list_checkpoints(run_dir) if p != final][: -keep_last + 1 or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _prepare_dirs(run_dir, step: int, tmp_suffix: str) -> tuple[Path, Path]:
+    """(temporary folder, final folder) of checkpoint ``step``; leftover temporary folders of killed saves removed."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     check_not_symlink(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -291,30 +336,71 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_dir / f"{_PREFIX}{step:08d}"
     check_not_symlink(final)
-    tmp = ckpt_dir / f"{_TMP}{final.name}-{os.getpid()}"
+    tmp = ckpt_dir / f"{_TMP}{final.name}-{tmp_suffix}"
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    tensors, meta = _split_state(optimizer, scheduler)
-    save_file(tensors, str(tmp / STATE_TENSORS))
-    meta = {"step": step, **state, **meta}
-    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
-    _fsync_tree(tmp)
-    _write_manifest(tmp, step)  # last: a folder with a valid manifest is complete
-    if _before_rename_hook is not None:
-        _before_rename_hook(tmp)
-    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fd = os.open(ckpt_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    for old in [p for p in list_checkpoints(run_dir) if p != final][: -keep_last + 1 or None]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return tmp, final
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int, tokenizer,
+                  group) -> Path:
+    """The multi-process save: every rank writes its shards of the model and optimizer state with
+    torch.distributed.checkpoint into ``dcp/`` of the temporary folder; rank 0 adds the full student as a
+    transformers folder (``model.safetensors``, for ``from_pretrained`` and ``opdistill eval``), the scheduler, RNG
+    and run state, then the manifest and the rename, exactly as in one process."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    rank = dist.get_rank(group)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    local = [_local(v) for v in list(model_sd.values()) + _tensors_of(optim_sd) if isinstance(v, torch.Tensor)]
+    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point()))])
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+    if not finite.item():
+        raise NonFiniteError(f"step {step}: the weights or optimizer state hold NaN/inf; the checkpoint is not "
+                             f"written. Likely causes: fp16 overflow (use model.dtype=bfloat16 or float32), a learning "
+                             f"rate too high (optim.lr), bad data or teacher scores")
+    tmp = None
+    if rank == 0:
+        tmp, final = _prepare_dirs(run_dir, step, "dcp")
+    tmp = Path(_broadcast(str(tmp) if tmp is not None else None, group))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        module = getattr(model, "module", model)
+        module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tensors, meta = _split_state(None, scheduler)
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        meta = {"step": step, **state, **meta, "world_size": dist.get_world_size(group)}
+        (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
+        _finish(run_dir, tmp, final, step, keep_last, "dcp")
+    dist.barrier(group=group)  # no rank goes on (or exits) before the checkpoint is in place
+    return Path(run_dir) / "checkpoints" / f"{_PREFIX}{step:08d}"
+
+
+def _tensors_of(tree) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors_of(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors_of(v)]
+    return []
+
+
+def _broadcast(obj, group):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 # ---- loading --------------------------------------------------------------------------------------------------------
@@ -348,22 +434,46 @@ def load_weights(path: str | Path, model) -> dict | None:
     return manifest
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, group=None) -> dict:
     """Verify checkpoint folder ``path``, load its weights, optimizer and scheduler (when given) and RNG states;
-    return the saved run state (``step``, ``train_time``, ...)."""
+    return the saved run state (``step``, ``train_time``, ...). A sharded checkpoint loads at any world size (one
+    process included: torch.distributed.checkpoint reshards); ``group``: the data-parallel group of a multi-process
+    run (every rank calls this)."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    verify_checkpoint(path)
-    load_weights(path, model)
+    manifest = verify_checkpoint(path)
+    sharded = manifest.get("layout") == "dcp"
+    if sharded:
+        _load_sharded(path, model, optimizer, group)
+    elif group is not None:
+        raise CheckpointError(f"{path}: a one-process checkpoint; resume it without torchrun (the next checkpoint it "
+                              f"writes is still one-process), or start a new run under torchrun")
+    else:
+        load_weights(path, model)
     try:
         meta = json.loads((path / STATE_JSON).read_text())
         tensors = load_file(str(path / STATE_TENSORS))
-        _restore_state(tensors, meta, optimizer, scheduler)
+        _restore_state(tensors, meta, None if sharded else optimizer, scheduler)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 -- a verified file that does not fit this model/optimizer
         raise CheckpointError(f"{path}: trainer state does not fit this run ({type(e).__name__}: {e})") from e
-    for key in ("optimizer", "scheduler", "rng"):
+    for key in ("optimizer", "scheduler", "rng", "world_size"):
         meta.pop(key, None)
     return meta
+
+
+def _load_sharded(path: Path, model, optimizer, group) -> None:
+    """Model (and optimizer) state of a sharded checkpoint into ``model`` (plain, DDP or FSDP2) at this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        wanted = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+        dcp.load(wanted, checkpoint_id=str(path / DCP_DIR), process_group=group, no_dist=group is None)
+        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=wanted["model"],
+                       optim_state_dict=wanted.get("optim", {}))
+    except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
+        raise CheckpointError(f"{path / DCP_DIR}: does not fit this run ({type(e).__name__}: {e})") from e

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from opdistill.train.rundir import atomic_write_text, open_nofollow, read_jsonl
 
-__all__ = ["PROGRESS_KEYS", "RunLogger", "read_metrics"]
+__all__ = ["PROGRESS_KEYS", "RunLogger", "NullLogger", "read_metrics"]
 
 # (metric, short name) shown on the progress bar when the step emits it; RL emits policy/loss, distillation emits
 # distillation/loss (tests/test_trainer_metric_names.py checks that every name here is emitted by some run)
@@ -78,3 +78,16 @@ class RunLogger:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+class NullLogger:
+    """The logger of the ranks other than 0 in a multi-process run: rank 0 alone writes the run's logs."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
