@@ -472,7 +472,9 @@ def _load_sharded(path: Path, model, optimizer, group) -> None:
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
         wanted = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
-        dcp.load(wanted, checkpoint_id=str(path / DCP_DIR), process_group=group, no_dist=group is None)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(wanted, checkpoint_id=str(path / DCP_DIR), process_group=group, no_dist=group is None)
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=wanted["model"],
                        optim_state_dict=wanted.get("optim", {}))
     except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
