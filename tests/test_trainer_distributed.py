@@ -167,6 +167,29 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2(runs):
         assert n == m and torch.equal(a, b), n
 
 
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo crafted",))
+
+
+def test_a_crafted_sharded_checkpoint_is_refused_without_running_code(runs, tmp_path):
+    import pickle
+
+    from opdistill.models import load_model
+    from opdistill.train import checkpoint as ckpt_mod
+    from opdistill.train.rundir import CheckpointError
+
+    tmp, cfgs, _ = runs
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(tmp / "w2_on" / "checkpoints" / "step_00000004", ckpt)
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    ckpt_mod._write_manifest(ckpt, 4, "dcp")  # a consistent manifest: the attacker rewrote it too
+    with pytest.raises(CheckpointError) as e:
+        ckpt_mod.load_checkpoint(ckpt, load_model(cfgs["on"]["model"]["student"]))
+    assert str(e.value) == (f"{ckpt / 'dcp' / '.metadata'}: refers to posix.system, which a checkpoint's metadata "
+                            f"never holds (a crafted file?); it is not loaded")
+
+
 def _torchrun(*args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -10,7 +10,13 @@ A checkpoint is a folder ``checkpoints/step_00000012/`` holding
   optimizer's param groups and non-tensor state, the scheduler's state, the Python RNG state),
 - ``manifest.json``, written LAST: the SHA-256 and size of every other file.
 
-Nothing here unpickles: safetensors and JSON are data formats, so a crafted checkpoint cannot run code. A legacy
+A multi-process run (torchrun) writes a *sharded* checkpoint into the same temporary folder, manifest and rename:
+``dcp/`` holds the model and optimizer state written by every rank with torch.distributed.checkpoint (loadable at
+any world size, one plain process included), rank 0 adds the full student as the transformers folder and
+``trainer_state.*`` without the optimizer, and the manifest says ``"layout": "dcp"`` (docs/distributed.md). DCP's
+metadata is pickled; it is read by an unpickler that resolves only DCP's own metadata classes (``_safe_dcp_reader``).
+
+Nothing here unpickles arbitrary objects: safetensors and JSON are data formats, so a crafted checkpoint cannot run code. A legacy
 ``trainer_state.pt`` is never read (it has no manifest, so it is refused as a resume point; ``opdistill eval`` reads
 its ``model.safetensors`` only).
 
@@ -465,17 +471,80 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, gro
 
 
 def _load_sharded(path: Path, model, optimizer, group) -> None:
-    """Model (and optimizer) state of a sharded checkpoint into ``model`` (plain, DDP or FSDP2) at this world size."""
+    """Model (and optimizer) state of a sharded checkpoint into ``model`` (plain, DDP or FSDP2) at this world size.
+    Read through :func:`_safe_dcp_reader`: no arbitrary object is unpickled (module docstring)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    reader, planner = _safe_dcp_reader(path / DCP_DIR)
+    reader.read_metadata()  # refuses a crafted metadata file with its own message, before DCP wraps the error
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
         wanted = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(wanted, checkpoint_id=str(path / DCP_DIR), process_group=group, no_dist=group is None)
+            dcp.load(wanted, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=wanted["model"],
                        optim_state_dict=wanted.get("optim", {}))
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
         raise CheckpointError(f"{path / DCP_DIR}: does not fit this run ({type(e).__name__}: {e})") from e
+
+
+def _safe_dcp_reader(folder: Path):
+    """(storage reader, load planner) for torch.distributed.checkpoint that never unpickle an arbitrary object.
+
+    DCP writes its ``.metadata`` with pickle and its non-tensor values (the optimizer's hyper-parameters) with
+    ``torch.save``; its stock reader loads them with ``pickle.load`` and ``torch.load(weights_only=False)``, either of
+    which runs code from a crafted file. Here the metadata is read by an unpickler that resolves only DCP's own
+    metadata classes, torch sizes/dtypes/layouts and paths (anything else is a :class:`CheckpointError`), and the
+    values by ``torch.load(weights_only=True)``; tensors are already read with ``weights_only=True`` by DCP."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_meta
+
+    allowed = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo}
+    allowed.update({("pathlib", n): getattr(__import__("pathlib"), n)
+                    for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")})
+    allowed.update({("torch.distributed.checkpoint.metadata", n): v for n, v in vars(dcp_meta).items()
+                    if isinstance(v, type) and v.__module__ == dcp_meta.__name__})
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    where = folder / ".metadata"
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in allowed:
+                return allowed[(module, name)]
+            raise CheckpointError(f"{where}: refers to {module}.{name}, which a checkpoint's metadata never holds "
+                                  f"(a crafted file?); it is not loaded")
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(where, "rb") as f:
+                metadata = _Unpickler(f).load()
+            if not isinstance(metadata, dcp_meta.Metadata):
+                raise CheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_meta.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 -- weights_only refuses anything but plain data
+                raise CheckpointError(f"{folder}: value {read_item.dest_index.fqn!r} is not plain data ({e})") from e
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Reader(str(folder)), _Planner()
