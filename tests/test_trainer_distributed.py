@@ -256,7 +256,8 @@ def test_prompts_per_step_must_divide_by_the_world_size():
 
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2), mock.patch.object(dist, "get_rank", return_value=0):
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch.object(dist, "get_rank", return_value=0):
         with pytest.raises(ConfigError) as e:
             init_distributed(cfg)
     assert str(e.value) == ("data.prompts_per_step: expected a multiple of the data-parallel size 2 (each rank "

@@ -16,9 +16,9 @@ any world size, one plain process included), rank 0 adds the full student as the
 ``trainer_state.*`` without the optimizer, and the manifest says ``"layout": "dcp"`` (docs/distributed.md). DCP's
 metadata is pickled; it is read by an unpickler that resolves only DCP's own metadata classes (``_safe_dcp_reader``).
 
-Nothing here unpickles arbitrary objects: safetensors and JSON are data formats, so a crafted checkpoint cannot run code. A legacy
-``trainer_state.pt`` is never read (it has no manifest, so it is refused as a resume point; ``opdistill eval`` reads
-its ``model.safetensors`` only).
+Nothing here unpickles arbitrary objects: safetensors and JSON are data formats, so a crafted checkpoint cannot run
+code. A legacy ``trainer_state.pt`` is never read (it has no manifest, so it is refused as a resume point;
+``opdistill eval`` reads its ``model.safetensors`` only).
 
 The folder is written into a hidden temporary folder, every file fsync'ed, the manifest written and fsync'ed last,
 and the folder then renamed into place: a rename is atomic, so a process killed during a save leaves either no new

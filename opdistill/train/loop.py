@@ -10,6 +10,9 @@ and the run directory's rules (lock, one run per folder, config check on resume,
 are a pure function of seed and step), and the sampling RNG is reseeded from (seed, step) at the start of every step,
 so a run resumed from a checkpoint draws exactly the prompts and samples the uninterrupted run drew; RNG states are
 saved as well for anything outside that.
+Under torchrun the same loop runs on every rank (opdistill/train/distributed.py, docs/distributed.md): each rank
+samples and scores its share of the step's prompts, the step's GlobalBatch and metrics are reduced over the
+data-parallel group, and rank 0 alone holds the run directory and writes logs and manifests.
 ``train.max_time_s`` bounds the time spent in rollout + teacher + update phases (evaluation and checkpointing
 excluded), which is how the demo gives every method the same wall-clock budget.
 """
@@ -295,7 +298,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         state = RunState()
         if ckpt is not None:
             state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.group))
-        elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
+        elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps) \
