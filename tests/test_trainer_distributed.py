@@ -9,7 +9,7 @@ Expectations: the same sampled tokens (keyed sampling, rows of a prompt on one r
 ``distillation/loss`` (``policy/loss`` for rl) and ``train/grad_norm`` equal to 1e-5 relative (fp32), exactly one
 metrics line per step, evaluation numbers equal to world 1's (accuracies exactly, log-prob sums to 1e-4 relative:
 the sampler's fp32 log-probs differ in the last bits with the batch shape), and a checkpoint saved at world 2 that
-resumes at world 1 and at world 2 with the uninterrupted run's losses.
+resumes at world 1 and at world 2 with the uninterrupted run's losses (and a world-1 checkpoint at world 2).
 """
 from __future__ import annotations
 
@@ -83,15 +83,28 @@ def _world2_tokens(out: Path, name: str) -> dict:
     return merged
 
 
+def _run_world1(name: str, cfg: dict, run_dir: Path) -> dict:
+    sink: dict = {}
+    restore = record_rollouts(sink)
+    try:
+        loop.run_training(load_config(base=_with_run_dir(cfg, run_dir)), quiet=True)
+    finally:
+        restore()
+    return sink
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The world-2 launch and the world-1 runs of the same configs; returns (tmp, configs, world-1 tokens)."""
     tmp = tmp_path_factory.mktemp("dist")
     cfgs = _configs(tmp)
+    tokens1 = {"on": _run_world1("on", cfgs["on"], tmp / "w1_on")}  # first: the launch resumes its checkpoint
     plan = [
         {"name": "on", "config": _with_run_dir(cfgs["on"], tmp / "w2_on")},
         {"name": "on_resume", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_resume"), "resume": True,
          "prepare_resume_from": str(tmp / "w2_on"), "resume_step": 2},
+        {"name": "on_from1", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_from1"), "resume": True,
+         "prepare_resume_from": str(tmp / "w1_on"), "resume_step": 2},
         {"name": "off", "config": _with_run_dir(cfgs["off"], tmp / "w2_off")},
         {"name": "rl", "config": _with_run_dir(cfgs["rl"], tmp / "w2_rl")},
     ]
@@ -99,15 +112,8 @@ def runs(tmp_path_factory):
     out.mkdir()
     (out / "plan.json").write_text(json.dumps(plan))
     launch("tests.distributed_trainer:run_plan", 2, str(out))
-    tokens1 = {}
-    for name in ("on", "off", "rl"):
-        sink: dict = {}
-        restore = record_rollouts(sink)
-        try:
-            loop.run_training(load_config(base=_with_run_dir(cfgs[name], tmp / f"w1_{name}")), quiet=True)
-        finally:
-            restore()
-        tokens1[name] = sink
+    for name in ("off", "rl"):
+        tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
 
@@ -138,7 +144,7 @@ def test_world2_evaluation_equals_world1(runs):
                     assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
 
 
-def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2(runs):
+def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     tmp, cfgs, _ = runs
     full = _losses(tmp / "w1_on")
     ckpt = tmp / "w2_on" / "checkpoints" / "step_00000004"
@@ -146,6 +152,8 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2(runs):
     assert manifest["layout"] == "dcp" and "dcp/.metadata" in manifest["files"]
     # resumed at world 2 (inside the launch) from the step-2 checkpoint
     _assert_close_rows(_losses(tmp / "w2_on_resume"), full)
+    # and a one-process checkpoint (world 1's step 2) resumed at world 2
+    _assert_close_rows(_losses(tmp / "w2_on_from1"), full)
     # resumed here, at world 1, from the same checkpoint
     w1 = tmp / "w1_resume"
     shutil.copytree(tmp / "w2_on", w1)

@@ -453,14 +453,13 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, gro
     if sharded:
         _load_sharded(path, model, optimizer, group)
     elif group is not None:
-        raise CheckpointError(f"{path}: a one-process checkpoint; resume it without torchrun (the next checkpoint it "
-                              f"writes is still one-process), or start a new run under torchrun")
+        _load_single_into_sharded(path, model, optimizer)
     else:
         load_weights(path, model)
     try:
         meta = json.loads((path / STATE_JSON).read_text())
         tensors = load_file(str(path / STATE_TENSORS))
-        _restore_state(tensors, meta, None if sharded else optimizer, scheduler)
+        _restore_state(tensors, meta, None if sharded or group is not None else optimizer, scheduler)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 -- a verified file that does not fit this model/optimizer
@@ -468,6 +467,37 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, gro
     for key in ("optimizer", "scheduler", "rng", "world_size"):
         meta.pop(key, None)
     return meta
+
+
+def _load_single_into_sharded(path: Path, model, optimizer) -> None:
+    """A one-process checkpoint into a multi-process run (every rank reads the full files): the weights from
+    ``model.safetensors``, the optimizer state from ``trainer_state.*`` (saved by parameter index, the order of the
+    student's trainable parameters, which DDP and FSDP2 keep) keyed by parameter name for ``set_state_dict``."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    try:
+        module = getattr(model, "module", model)
+        weights = load_file(str(path / WEIGHTS))
+        if getattr(module.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        if optimizer is not None:
+            meta = json.loads((path / STATE_JSON).read_text())["optimizer"]
+            tensors = load_file(str(path / STATE_TENSORS))
+            names = [n for n, p in module.named_parameters() if p.requires_grad]
+            state = {names[i]: dict(meta["state_scalars"].get(str(i), {})) for i in meta["state_params"]}
+            for key, v in tensors.items():
+                parts = key.split("/")
+                if parts[0] == "optimizer":
+                    state.setdefault(names[int(parts[1])], {})[parts[2]] = v
+            groups = [{**{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()},
+                       "params": [names[i] for i in g["params"]]} for g in meta["param_groups"]]
+            set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=full)
+    except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
+        raise CheckpointError(f"{path}: does not fit this run ({type(e).__name__}: {e})") from e
 
 
 def _load_sharded(path: Path, model, optimizer, group) -> None:
