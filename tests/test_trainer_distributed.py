@@ -270,3 +270,26 @@ def test_prompts_per_step_must_divide_by_the_world_size():
             init_distributed(cfg)
     assert str(e.value) == ("data.prompts_per_step: expected a multiple of the data-parallel size 2 (each rank "
                             "samples an equal share of the step's prompts), got 3")
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
+                            "eval": {"num_prompts": 1}, "loss": {"loss_mode": "topk", "topk": 4}})
+    with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch.object(dist, "is_initialized", return_value=True), \
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch.object(dist, "get_rank", return_value=0):
+        with pytest.raises(ConfigError) as e:
+            init_distributed(cfg)
+    assert str(e.value) == ("eval.num_prompts: expected 0 or at least the data-parallel size 2 (every rank "
+                            "evaluates a share), got 1")
+
+
+def test_errors_and_warnings_carry_the_rank_under_torchrun(tmp_path, monkeypatch, capsys):
+    from opdistill.cli import _one_line_warning, main
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: abc\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert capsys.readouterr().err == "opdistill train: [rank 1] config error: optim.lr: expected a number > 0, got 'abc'\n"
+    assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: [rank 1] warning: careful\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: warning: careful\n"
