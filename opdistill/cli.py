@@ -29,7 +29,8 @@ def _cmd_train(args):
     cfg = load_config(args.config, args.overrides)
     check_model_folders(cfg)
     summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
+    if _rank() == 0:  # under torchrun, rank 0 alone reports
+        print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
                       "final_eval": summary["final_eval"]}, indent=1))
 
 
@@ -224,8 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _rank_tag() -> str:
+    """``[rank R] `` under torchrun with more than one process (warnings and errors name the rank), else ""."""
+    import os
+
+    return f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
 def _one_line_warning(message, category, filename, lineno, line=None):
-    return f"opdistill: warning: {message}\n"
+    return f"opdistill: {_rank_tag()}warning: {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"opdistill {args.command}: {e.kind}: {e}", file=sys.stderr)
+        print(f"opdistill {args.command}: {_rank_tag()}{e.kind}: {e}", file=sys.stderr)
         return 2
     finally:
         warnings.formatwarning = formatwarning

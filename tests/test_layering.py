@@ -16,7 +16,7 @@ LAYERS = [
     ["opdistill.models", "opdistill.data", "opdistill.engines", "opdistill.rollout", "opdistill.teacher"],
     ["opdistill.train"],
     ["opdistill.demo"],
-    ["opdistill.cli"],
+    ["opdistill.cli", "opdistill.__main__"],
 ]
 
 

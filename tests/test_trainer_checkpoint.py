@@ -205,7 +205,7 @@ def test_manifest_is_written_last(tmp_path, model_dir, monkeypatch):
     run, model = _saved_run(tmp_path, model_dir, steps=(1,))
     model2, opt, sched = _model_and_opt(model_dir, steps=1)
 
-    def boom(folder, step):
+    def boom(folder, step, *layout):
         assert {p.name for p in folder.iterdir()} >= {"model.safetensors", "config.json", "trainer_state.json",
                                                       "trainer_state.safetensors"}
         raise OSError("disk full")

@@ -10,9 +10,15 @@ A checkpoint is a folder ``checkpoints/step_00000012/`` holding
   optimizer's param groups and non-tensor state, the scheduler's state, the Python RNG state),
 - ``manifest.json``, written LAST: the SHA-256 and size of every other file.
 
-Nothing here unpickles: safetensors and JSON are data formats, so a crafted checkpoint cannot run code. A legacy
-``trainer_state.pt`` is never read (it has no manifest, so it is refused as a resume point; ``opdistill eval`` reads
-its ``model.safetensors`` only).
+A multi-process run (torchrun) writes a *sharded* checkpoint into the same temporary folder, manifest and rename:
+``dcp/`` holds the model and optimizer state written by every rank with torch.distributed.checkpoint (loadable at
+any world size, one plain process included), rank 0 adds the full student as the transformers folder and
+``trainer_state.*`` without the optimizer, and the manifest says ``"layout": "dcp"`` (docs/distributed.md). DCP's
+metadata is pickled; it is read by an unpickler that resolves only DCP's own metadata classes (``_safe_dcp_reader``).
+
+Nothing here unpickles arbitrary objects: safetensors and JSON are data formats, so a crafted checkpoint cannot run
+code. A legacy ``trainer_state.pt`` is never read (it has no manifest, so it is refused as a resume point;
+``opdistill eval`` reads its ``model.safetensors`` only).
 
 The folder is written into a hidden temporary folder, every file fsync'ed, the manifest written and fsync'ed last,
 and the folder then renamed into place: a rename is atomic, so a process killed during a save leaves either no new
@@ -52,6 +58,8 @@ MANIFEST = "manifest.json"
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 WEIGHTS = "model.safetensors"
+DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer state (torch.distributed.checkpoint)
+DCP_METADATA = f"{DCP_DIR}/.metadata"
 _REQUIRED = (WEIGHTS, STATE_JSON, STATE_TENSORS)
 # Test hook: called after the files are written and before the rename (a test kills the process here).
 _before_rename_hook = None
@@ -70,9 +78,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
-    """(tensors, JSON-able dict) holding the optimizer, scheduler and RNG states."""
+    """(tensors, JSON-able dict) holding the optimizer (unless None: a sharded checkpoint keeps it in DCP),
+    scheduler and RNG states."""
     tensors, opt_scalars = {}, {}
-    opt = optimizer.state_dict()
+    opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     for idx, st in opt["state"].items():
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
@@ -85,8 +94,9 @@ def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
     tensors["rng/numpy_keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy())
     py_version, py_internal, py_gauss = rng["python"]
     meta = {
-        "optimizer": {"param_groups": opt["param_groups"], "state_scalars": opt_scalars,
-                      "state_params": sorted(int(i) for i in opt["state"])},
+        "optimizer": None if optimizer is None else {
+            "param_groups": opt["param_groups"], "state_scalars": opt_scalars,
+            "state_params": sorted(int(i) for i in opt["state"])},
         "scheduler": scheduler.state_dict(),
         "rng": {"numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
                 "python": [py_version, list(py_internal), py_gauss]},
@@ -95,7 +105,7 @@ def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
 
 
 def _restore_state(tensors: dict, meta: dict, optimizer, scheduler) -> None:
-    if optimizer is not None:
+    if optimizer is not None and meta["optimizer"] is not None:
         om = meta["optimizer"]
         state = {}
         for idx in om["state_params"]:
@@ -128,13 +138,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_manifest(folder: Path, step: int) -> None:
+def _write_manifest(folder: Path, step: int, layout: str = "single") -> None:
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             rel = p.relative_to(folder).as_posix()
             files[rel] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
     manifest = {"format": "opdistill-checkpoint", "version": FORMAT_VERSION, "step": step, "files": files}
+    if layout != "single":
+        manifest["layout"] = layout
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -167,7 +179,11 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
     for name in files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{mpath}: lists {name!r}, which is outside the checkpoint folder")
-    needed = only if only is not None else _REQUIRED if ADAPTERS not in files else (ADAPTERS,) + _REQUIRED[1:]
+    layout = manifest.get("layout", "single")
+    if layout not in ("single", "dcp"):
+        raise CheckpointError(f"{mpath}: unknown checkpoint layout {layout!r} (expected single or dcp)")
+    base = _REQUIRED if ADAPTERS not in files else (ADAPTERS,) + _REQUIRED[1:]  # a LoRA student: its adapters
+    needed = only if only is not None else base + ((DCP_METADATA,) if layout == "dcp" else ())
     for name in needed:
         if name not in files:
             raise CheckpointError(f"{path / name}: not listed in {mpath}")
@@ -276,12 +292,48 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int = 2,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, group=None) -> Path:
     """Write checkpoint ``step`` atomically (``state``: JSON-able run state, e.g. training time and history); keep
-    the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state."""
+    the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state. ``group``: the
+    data-parallel group of a multi-process run (every rank calls this): a sharded checkpoint (module docstring)."""
     from safetensors.torch import save_file
 
+    if group is not None:
+        return _save_sharded(run_dir, step, model, optimizer, scheduler, state, keep_last=keep_last,
+                             tokenizer=tokenizer, group=group)
     _check_finite(model, optimizer, step)
+    tmp, final = _prepare_dirs(run_dir, step, str(os.getpid()))
+    save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tensors, meta = _split_state(optimizer, scheduler)
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    meta = {"step": step, **state, **meta}
+    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
+    return _finish(run_dir, tmp, final, step, keep_last, "single")
+
+
+def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
+    """fsync, manifest last, rename into place, prune to ``keep_last``."""
+    _fsync_tree(tmp)
+    _write_manifest(tmp, step, layout)  # last: a folder with a valid manifest is complete
+    if _before_rename_hook is not None:
+        _before_rename_hook(tmp)
+    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in [p for p in list_checkpoints(run_dir) if p != final][: -keep_last + 1 or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _prepare_dirs(run_dir, step: int, tmp_suffix: str) -> tuple[Path, Path]:
+    """(temporary folder, final folder) of checkpoint ``step``; leftover temporary folders of killed saves removed."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     check_not_symlink(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -292,30 +344,71 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_dir / f"{_PREFIX}{step:08d}"
     check_not_symlink(final)
-    tmp = ckpt_dir / f"{_TMP}{final.name}-{os.getpid()}"
+    tmp = ckpt_dir / f"{_TMP}{final.name}-{tmp_suffix}"
     tmp.mkdir()
-    save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    tensors, meta = _split_state(optimizer, scheduler)
-    save_file(tensors, str(tmp / STATE_TENSORS))
-    meta = {"step": step, **state, **meta}
-    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
-    _fsync_tree(tmp)
-    _write_manifest(tmp, step)  # last: a folder with a valid manifest is complete
-    if _before_rename_hook is not None:
-        _before_rename_hook(tmp)
-    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fd = os.open(ckpt_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    for old in [p for p in list_checkpoints(run_dir) if p != final][: -keep_last + 1 or None]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return tmp, final
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int, tokenizer,
+                  group) -> Path:
+    """The multi-process save: every rank writes its shards of the model and optimizer state with
+    torch.distributed.checkpoint into ``dcp/`` of the temporary folder; rank 0 adds the full student as a
+    transformers folder (``model.safetensors``, for ``from_pretrained`` and ``opdistill eval``), the scheduler, RNG
+    and run state, then the manifest and the rename, exactly as in one process."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    rank = dist.get_rank(group)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    local = [_local(v) for v in list(model_sd.values()) + _tensors_of(optim_sd) if isinstance(v, torch.Tensor)]
+    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point()))])
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+    if not finite.item():
+        raise NonFiniteError(f"step {step}: the weights or optimizer state hold NaN/inf; the checkpoint is not "
+                             f"written. Likely causes: fp16 overflow (use model.dtype=bfloat16 or float32), a learning "
+                             f"rate too high (optim.lr), bad data or teacher scores")
+    tmp = None
+    if rank == 0:
+        tmp, final = _prepare_dirs(run_dir, step, "dcp")
+    tmp = Path(_broadcast(str(tmp) if tmp is not None else None, group))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        module = getattr(model, "module", model)
+        module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tensors, meta = _split_state(None, scheduler)
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        meta = {"step": step, **state, **meta, "world_size": dist.get_world_size(group)}
+        (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
+        _finish(run_dir, tmp, final, step, keep_last, "dcp")
+    dist.barrier(group=group)  # no rank goes on (or exits) before the checkpoint is in place
+    return Path(run_dir) / "checkpoints" / f"{_PREFIX}{step:08d}"
+
+
+def _tensors_of(tree) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors_of(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors_of(v)]
+    return []
+
+
+def _broadcast(obj, group):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 # ---- loading --------------------------------------------------------------------------------------------------------
@@ -356,22 +449,141 @@ def load_weights(path: str | Path, model) -> dict | None:
     return manifest
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, group=None) -> dict:
     """Verify checkpoint folder ``path``, load its weights, optimizer and scheduler (when given) and RNG states;
-    return the saved run state (``step``, ``train_time``, ...)."""
+    return the saved run state (``step``, ``train_time``, ...). A sharded checkpoint loads at any world size (one
+    process included: torch.distributed.checkpoint reshards); ``group``: the data-parallel group of a multi-process
+    run (every rank calls this)."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    verify_checkpoint(path)
-    load_weights(path, model)
+    manifest = verify_checkpoint(path)
+    sharded = manifest.get("layout") == "dcp"
+    if sharded:
+        _load_sharded(path, model, optimizer, group)
+    elif group is not None:
+        _load_single_into_sharded(path, model, optimizer)
+    else:
+        load_weights(path, model)
     try:
         meta = json.loads((path / STATE_JSON).read_text())
         tensors = load_file(str(path / STATE_TENSORS))
-        _restore_state(tensors, meta, optimizer, scheduler)
+        _restore_state(tensors, meta, None if sharded or group is not None else optimizer, scheduler)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 -- a verified file that does not fit this model/optimizer
         raise CheckpointError(f"{path}: trainer state does not fit this run ({type(e).__name__}: {e})") from e
-    for key in ("optimizer", "scheduler", "rng"):
+    for key in ("optimizer", "scheduler", "rng", "world_size"):
         meta.pop(key, None)
     return meta
+
+
+def _load_single_into_sharded(path: Path, model, optimizer) -> None:
+    """A one-process checkpoint into a multi-process run (every rank reads the full files): the weights from
+    ``model.safetensors``, the optimizer state from ``trainer_state.*`` (saved by parameter index, the order of the
+    student's trainable parameters, which DDP and FSDP2 keep) keyed by parameter name for ``set_state_dict``."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    try:
+        module = getattr(model, "module", model)
+        weights = load_file(str(path / WEIGHTS))
+        if getattr(module.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        if optimizer is not None:
+            meta = json.loads((path / STATE_JSON).read_text())["optimizer"]
+            tensors = load_file(str(path / STATE_TENSORS))
+            names = [n for n, p in module.named_parameters() if p.requires_grad]
+            state = {names[i]: dict(meta["state_scalars"].get(str(i), {})) for i in meta["state_params"]}
+            for key, v in tensors.items():
+                parts = key.split("/")
+                if parts[0] == "optimizer":
+                    state.setdefault(names[int(parts[1])], {})[parts[2]] = v
+            groups = [{**{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()},
+                       "params": [names[i] for i in g["params"]]} for g in meta["param_groups"]]
+            set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=full)
+    except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
+        raise CheckpointError(f"{path}: does not fit this run ({type(e).__name__}: {e})") from e
+
+
+def _load_sharded(path: Path, model, optimizer, group) -> None:
+    """Model (and optimizer) state of a sharded checkpoint into ``model`` (plain, DDP or FSDP2) at this world size.
+    Read through :func:`_safe_dcp_reader`: no arbitrary object is unpickled (module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    reader, planner = _safe_dcp_reader(path / DCP_DIR)
+    reader.read_metadata()  # refuses a crafted metadata file with its own message, before DCP wraps the error
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        wanted = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(wanted, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=wanted["model"],
+                       optim_state_dict=wanted.get("optim", {}))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a verified checkpoint that does not fit this model/optimizer
+        raise CheckpointError(f"{path / DCP_DIR}: does not fit this run ({type(e).__name__}: {e})") from e
+
+
+def _safe_dcp_reader(folder: Path):
+    """(storage reader, load planner) for torch.distributed.checkpoint that never unpickle an arbitrary object.
+
+    DCP writes its ``.metadata`` with pickle and its non-tensor values (the optimizer's hyper-parameters) with
+    ``torch.save``; its stock reader loads them with ``pickle.load`` and ``torch.load(weights_only=False)``, either of
+    which runs code from a crafted file. Here the metadata is read by an unpickler that resolves only DCP's own
+    metadata classes, torch sizes/dtypes/layouts and paths (anything else is a :class:`CheckpointError`), and the
+    values by ``torch.load(weights_only=True)``; tensors are already read with ``weights_only=True`` by DCP."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_meta
+
+    allowed = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo}
+    allowed.update({("pathlib", n): getattr(__import__("pathlib"), n)
+                    for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")})
+    allowed.update({("torch.distributed.checkpoint.metadata", n): v for n, v in vars(dcp_meta).items()
+                    if isinstance(v, type) and v.__module__ == dcp_meta.__name__})
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    where = folder / ".metadata"
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in allowed:
+                return allowed[(module, name)]
+            raise CheckpointError(f"{where}: refers to {module}.{name}, which a checkpoint's metadata never holds "
+                                  f"(a crafted file?); it is not loaded")
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(where, "rb") as f:
+                metadata = _Unpickler(f).load()
+            if not isinstance(metadata, dcp_meta.Metadata):
+                raise CheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_meta.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 -- weights_only refuses anything but plain data
+                raise CheckpointError(f"{folder}: value {read_item.dest_index.fqn!r} is not plain data ({e})") from e
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Reader(str(folder)), _Planner()

@@ -26,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
-__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
-           "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
+__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
+           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TrainerConfig", "load_config",
+           "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
 SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
@@ -178,6 +179,15 @@ class LogConfig(_Section):
     wandb: Optional[WandbConfig] = None  # null = no wandb
 
 
+class DistributedConfig(_Section):
+    """torch.distributed (torchrun) settings; ignored by a plain one-process run (docs/distributed.md)."""
+
+    strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # how the student is wrapped for data parallelism
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = Field(1800.0, gt=0)  # collective timeout
+    tp_size: int = Field(1, ge=1, le=1)  # tensor (vocab) parallel size of the student's lm_head: only 1 for now
+
+
 class TrainerConfig(_Section):
     run_dir: str = "runs/run"
     model: ModelConfig = ModelConfig()
@@ -189,6 +199,7 @@ class TrainerConfig(_Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _rules(self):

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 
 from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
@@ -36,7 +37,7 @@ from opdistill.rollout import generate_rollouts
 from opdistill.teacher import score_teacher
 from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
 
-__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "summarize", "nest_intervals"]
+__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "gather_values", "summarize", "nest_intervals"]
 
 # metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
 METRICS = {
@@ -85,6 +86,27 @@ class EvalValues:
                 raise ValueError(f"EvalValues.cat: {f.name} is measured in some parts only")
             out[f.name] = torch.cat(vals) if all(present) else None
         return cls(**out)
+
+
+def gather_values(values: EvalValues, group) -> EvalValues:
+    """Every rank's values (of its contiguous slice of the problems) joined in rank order, on every rank: two
+    all_gathers (the slice sizes, then the measured fields stacked [F, P_max]). Every rank must measure the same
+    fields (the same greedy / sampled / teacher settings). ``group=None``: ``values`` as it is."""
+    if group is None:
+        return values
+    world = dist.get_world_size(group)
+    size = torch.tensor([values.num_problems], dtype=torch.long)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(n) for n in sizes]
+    names = [f.name for f in fields(EvalValues) if getattr(values, f.name) is not None]
+    local = torch.zeros(len(names), max(sizes), dtype=torch.float64)  # [F, P_max], zero-padded
+    for i, name in enumerate(names):
+        local[i, : values.num_problems] = getattr(values, name)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=group)
+    joined = torch.cat([part[:, :n] for part, n in zip(parts, sizes)], dim=1)  # [F, P] in rank order
+    return EvalValues(**{name: joined[i].clone() for i, name in enumerate(names)})
 
 
 def _per_problem(values: torch.Tensor, prompt_index: list[int], num_problems: int) -> torch.Tensor:
@@ -170,14 +192,18 @@ def summarize(values: EvalValues, *, resamples: int = DEFAULT_RESAMPLES, seed: i
 def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None, temperature: float = 1.0,
              max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True, topk: int = 8,
              batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234, num_samples: int = 1,
-             resamples: int = DEFAULT_RESAMPLES, level: float = DEFAULT_LEVEL) -> dict:
+             resamples: int = DEFAULT_RESAMPLES, level: float = DEFAULT_LEVEL, group=None,
+             prompt_offset: int = 0) -> dict:
     """Evaluate on ``problems``: {metric: value, metric_lo, metric_hi} (module docstring). The bootstrap is seeded
-    with ``seed``, so an evaluation is a function of the weights and the arguments."""
+    with ``seed``, so an evaluation is a function of the weights and the arguments. Under data parallelism
+    (``group``) each rank passes its contiguous part of the held-out set and ``prompt_offset`` (the part's first
+    index); the per-problem values are gathered in order (:func:`gather_values`), so every rank returns what one
+    process evaluating the whole set returns (every rank must call this)."""
     values = evaluate_values(student, tokenizer, task, problems, teacher=teacher, temperature=temperature,
                              max_new_tokens=max_new_tokens, greedy=greedy, sampled=sampled, topk=topk,
                              batch_size=batch_size, use_chat_template=use_chat_template, seed=seed,
-                             num_samples=num_samples)
-    return summarize(values, resamples=resamples, seed=seed, level=level)
+                             num_samples=num_samples, prompt_offset=prompt_offset)
+    return summarize(gather_values(values, group), resamples=resamples, seed=seed, level=level)
 
 
 def nest_intervals(metrics: dict) -> dict[str, dict]:

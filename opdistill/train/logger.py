@@ -22,7 +22,7 @@ from pathlib import Path
 
 from opdistill.train.rundir import atomic_write_text, open_nofollow, read_jsonl
 
-__all__ = ["PROGRESS_KEYS", "RunLogger", "read_metrics"]
+__all__ = ["PROGRESS_KEYS", "RunLogger", "NullLogger", "read_metrics"]
 
 # (metric, short name) shown on the progress bar when the step emits it; RL emits policy/loss, distillation emits
 # distillation/loss (tests/test_trainer_metric_names.py checks that every name here is emitted by some run)
@@ -140,3 +140,15 @@ class RunLogger:
             prev(signum, frame)
         else:  # SIG_DFL (terminate) or SIG_IGN: re-deliver under the restored disposition
             signal.raise_signal(signum)
+
+class NullLogger:
+    """The logger of the ranks other than 0 in a multi-process run: rank 0 alone writes the run's logs."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

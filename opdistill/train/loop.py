@@ -10,6 +10,9 @@ and the run directory's rules (lock, one run per folder, config check on resume,
 are a pure function of seed and step), and the sampling RNG is reseeded from (seed, step) at the start of every step,
 so a run resumed from a checkpoint draws exactly the prompts and samples the uninterrupted run drew; RNG states are
 saved as well for anything outside that.
+Under torchrun the same loop runs on every rank (opdistill/train/distributed.py, docs/distributed.md): each rank
+samples and scores its share of the step's prompts, the step's GlobalBatch and metrics are reduced over the
+data-parallel group, and rank 0 alone holds the run directory and writes logs and manifests.
 ``train.max_time_s`` bounds the time spent in rollout + teacher + update phases (evaluation and checkpointing
 excluded), which is how the demo gives every method the same wall-clock budget.
 """
@@ -32,12 +35,13 @@ from opdistill.rollout import generate_rollouts
 from opdistill.teacher import TeacherCacheError, load_cache, score_teacher
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
+from opdistill.train.distributed import DistContext, init_distributed, wrap_student
 from opdistill.train.evaluate import evaluate
-from opdistill.train.logger import RunLogger
-from opdistill.train.optim import build_optimizer
-from opdistill.train.wandb_log import open_wandb
+from opdistill.train.logger import NullLogger, RunLogger
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
-from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
+from opdistill.train.optim import build_optimizer
+from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, open_run_dir
+from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models
 from opdistill.train.step import StepData, group_advantages, train_step
 
@@ -130,35 +134,41 @@ def open_teacher_cache(cfg: TrainerConfig, tok=None, teacher=None) -> dict | Non
     return cache
 
 
-def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict):
+def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict, ctx: DistContext):
     """Off-policy KD from a teacher cache: the step's rows are the next prompts_per_step x n rows, wrapping around,
-    so the data position is a function of the step (exact resume) and no teacher forward runs in training."""
+    so the data position is a function of the step (exact resume) and no teacher forward runs in training. Each
+    rank takes its contiguous share of them."""
     total = cache["input_ids"].shape[0]
     rows = cfg.data.prompts_per_step * cfg.rollout.n
-    idx = (torch.arange(rows) + (step - 1) * rows) % total
+    offset, count = ctx.share(rows)
+    idx = (torch.arange(offset, offset + count) + (step - 1) * rows) % total
     scores = cache["scores"]
     data = StepData(cache["input_ids"][idx], cache["attention_mask"][idx], cache["response_mask"][idx],
                     teacher_topk=None if scores.topk is None else TeacherTopK(scores.topk.ids[idx],
                                                                             scores.topk.logprobs[idx]),
                     teacher_sampled=None if scores.sampled_logprobs is None else scores.sampled_logprobs[idx])
-    tokens = float(data.response_mask.sum())
+    (tokens,) = ctx.sum([float(data.response_mask.sum())])
     return data, {"train/response_len": tokens / rows, "time/rollout_s": 0.0, "time/teacher_s": 0.0,
                   "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * rows, total))}
 
 
-def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None):
-    """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics)."""
+def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None,
+             ctx: DistContext = DistContext()):
+    """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics).
+    ``student``: the module to decode with. Under data parallelism this rank's share of the step's prompts (all
+    ``rollout.n`` samples of each: a GRPO group stays on one rank), keyed by their global index; metrics reduced."""
     if cache is not None:
-        return _collect_from_cache(cfg, step, cache)
+        return _collect_from_cache(cfg, step, cache, ctx)
     rc, method = cfg.rollout, cfg.train.method
-    problems = source.batch(step, cfg.data.prompts_per_step)
+    offset, count = ctx.share(cfg.data.prompts_per_step)
+    problems = source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
     prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
     torch.manual_seed(cfg.train.seed * 1_000_003 + step)
     t0 = time.perf_counter()
     writer = teacher if method == "off_policy" else student
     ro = generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                            max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
-                           batch_size=rc.batch_size, seed=cfg.train.seed, step=step)
+                           batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset)
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
@@ -172,23 +182,29 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
     if method == "rl" or cfg.loss.use_task_rewards:
         data.advantages = group_advantages(rewards, ro.prompt_index)
+    reward_sum, rows, tokens = ctx.sum([float(rewards.double().sum()), float(ro.num_rows),
+                                        float(ro.response_mask.sum())])
     metrics = {
-        "train/reward": float(rewards.mean()) if rewards.numel() else float("nan"),
-        "train/response_len": float(ro.response_mask.sum()) / max(ro.num_rows, 1),
+        "train/reward": reward_sum / rows if rows else float("nan"),
+        "train/response_len": tokens / max(rows, 1),
         "time/rollout_s": t1 - t0,
         "time/teacher_s": t2 - t1,
-        "train/generated_tokens": float(ro.response_mask.sum()),
+        "train/generated_tokens": tokens,
     }
     return data, metrics
 
 
-def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out) -> dict:
+def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: DistContext = DistContext()) -> dict:
+    """Evaluate on ``held_out``; under data parallelism each rank takes a contiguous part, sums are reduced exactly."""
     ec = cfg.eval
-    return evaluate(student, tok, task, held_out, teacher=teacher, temperature=cfg.rollout.temperature,
+    offset, count = ctx.split(len(held_out))
+    return evaluate(student, tok, task, held_out[offset:offset + count], teacher=teacher,
+                    temperature=cfg.rollout.temperature,
                     max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy,
                     sampled=ec.sampled, topk=ec.topk, batch_size=ec.batch_size,
                     use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777,
-                    num_samples=ec.num_samples, resamples=ec.bootstrap_resamples)
+                    num_samples=ec.num_samples, resamples=ec.bootstrap_resamples, group=ctx.group,
+                    prompt_offset=offset)
 
 
 @dataclass
@@ -264,7 +280,15 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
     (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    rd, ckpt = _open_run(cfg, resume, overwrite)
+    with init_distributed(cfg) as ctx:  # world size 1 without torchrun: no process group (docs/distributed.md)
+        return _train(cfg, ctx, resume=resume, overwrite=overwrite, models=models, quiet=quiet)
+
+
+def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: bool, models, quiet: bool) -> dict:
+    # rank 0 alone locks the run directory and applies its rules; the others wait for its verdict
+    opened = ctx.from_main(_open_run, cfg, resume, overwrite)
+    rd, ckpt = opened if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
+    ckpt = ctx.broadcast(ckpt)
     with rd:
         torch.manual_seed(cfg.train.seed)
         tok, student, teacher = models if models is not None else load_models(cfg)
@@ -276,6 +300,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
             enable_gradient_checkpointing(student)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
             check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
+        student = wrap_student(ctx, student)  # FSDP2 or DDP under torchrun; unchanged in one process
         oc = cfg.optim
         params = [p for p in student.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, oc)  # AdamW, fused where available (opdistill/train/optim.py)
@@ -287,16 +312,19 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
 
         state = RunState()
         if ckpt is not None:
-            state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler))
-        else:  # written once the models and the config's checks passed: a run refused at start-up leaves no run
+            state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.group))
+        elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps,
-                           wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step))
+                           wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step)) \
+            if ctx.is_main else NullLogger()
 
-        evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
+        def evaluate_now() -> dict:
+            return run_eval(cfg, tok, ctx.rollout_model(student), teacher, task, held_out, ctx)
+
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
-                                 keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
+                                 keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.group)
 
         try:
             if state.step == 0 and cfg.eval.num_prompts:
@@ -306,18 +334,20 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                     break
                 state.step += 1
                 t0 = time.perf_counter()
-                data, metrics = _collect(cfg, state.step, tok, student, teacher, task, source, cache)
+                data, metrics = _collect(cfg, state.step, tok, ctx.rollout_model(student), teacher, task, source,
+                                         cache, ctx)
                 t1 = time.perf_counter()
                 metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
                                           bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
-                                          pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head))
+                                          pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head,
+                                          group=ctx.group))
                 state.count_update(applied=not metrics["train/nonfinite"])
                 metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
                 metrics["train/lr"] = scheduler.get_last_lr()[0]
                 scheduler.step()  # a skipped update still consumes its step: the schedule follows the data position
                 t2 = time.perf_counter()
-                state.train_time += t2 - t0
+                state.train_time += ctx.max(t2 - t0)  # the slowest rank's time: every rank stops at the same step
                 metrics.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
                                 "time/train_total_s": state.train_time,
                                 "perf/tokens_per_s": metrics["train/generated_tokens"] / max(t2 - t0, 1e-9)})

@@ -47,6 +47,7 @@ RESUMABLE_KEYS = (
     "eval.*",
     "log.*",
     "checkpoint.*",
+    "distributed.*",  # how the run is laid out over processes, not what it computes (same run at any world size)
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).

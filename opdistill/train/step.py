@@ -12,13 +12,14 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
                        shift_for_next_token)
 from opdistill.fused import causal_lm_hidden
 from opdistill.loss import select_backend
 
-__all__ = ["StepData", "token_budget_split", "group_advantages", "train_step"]
+__all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step"]
 
 
 @dataclass
@@ -45,6 +46,29 @@ def token_budget_split(lengths: list[int], budget: int) -> list[list[int]]:
     if cur:
         groups.append(cur)
     return groups
+
+
+def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
+    """Split the largest groups in two (consecutive rows) until there are ``count`` groups (each split group stays
+    within the budget). Under data parallelism every rank must run the same number of micro-batches (FSDP2 gathers
+    the weights in every forward), so a rank with fewer splits further; the gradient does not depend on the split."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[i]) < 2:
+            raise ValueError(f"cannot split {sum(map(len, groups))} rows into {count} micro-batches")
+        g = groups[i]
+        groups[i:i + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def _grad_norm(params, grad_clip: float | None) -> torch.Tensor:
+    """The global gradient norm (clipping to ``grad_clip`` when set); DTensor (FSDP2) shards are reduced."""
+    if grad_clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-6) -> torch.Tensor:
@@ -80,54 +104,72 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
         student = loss_fn.backend(student).masked_token_logprobs(student, tgt, m, temperature=cfg.temperature)
     else:
         raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
-    return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv)
+    return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv,
+                   group=pg_kwargs.get("group"))
+
+
+def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs, *, bf16: bool,
+                fused_lm_head: bool, sums: MetricSums) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; its metrics merged into ``sums``; returns the detached loss."""
+    L = max(lengths[r] for r in rows)
+    idx = torch.tensor(rows)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with autocast:
+        if fused_lm_head:
+            student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
+                                       attention_mask=data.attention_mask[idx, :L])
+        else:
+            student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
+    if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
+        student = student.float()  # bf16 autocast: the losses upcast, do it once here
+    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs)
+    loss.backward()
+    sums.merge(metrics)
+    return loss.detach().float()
 
 
 def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
                micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
                loss_scale_factor: float | None = None, pg_kwargs: dict | None = None,
-               fused_lm_head: bool = False) -> dict:
+               fused_lm_head: bool = False, group=None) -> dict:
     """Run one optimizer step on ``data``; return the exact step metrics (dict of floats).
 
     ``fused_lm_head``: run the student's backbone only and hand its hidden states and lm_head to the fused losses
-    (``opdistill.fused``): same loss, gradients and metrics, no [tokens, vocab] logits buffer."""
+    (``opdistill.fused``): same loss, gradients and metrics, no [tokens, vocab] logits buffer.
+    ``group``: the data-parallel group (``model`` wrapped by FSDP2 or DDP; ``data`` is this rank's rows): one
+    ``GlobalBatch`` and the metrics are reduced over it, every rank runs the same number of micro-batches."""
     model.train()
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
     micro = token_budget_split(lengths, micro_batch_tokens)
+    if group is not None:
+        count = torch.tensor([len(micro)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        micro = split_to_count(micro, int(count))
+        pg_kwargs = {**(pg_kwargs or {}), "group": group}
     masks = [mask[torch.tensor(rows), : max(lengths[r] for r in rows)] for rows in micro]
-    batch = GlobalBatch.from_masks(masks, group=None, loss_scale_factor=loss_scale_factor)
+    batch = GlobalBatch.from_masks(masks, group=group, loss_scale_factor=loss_scale_factor)
     optimizer.zero_grad(set_to_none=True)
     sums = MetricSums()
     loss_sum = torch.zeros(())
-    for rows in micro:
-        L = max(lengths[r] for r in rows)
-        idx = torch.tensor(rows)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with autocast:
-            if fused_lm_head:
-                student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
-                                           attention_mask=data.attention_mask[idx, :L])
-            else:
-                student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
-        if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
-            student = student.float()  # bf16 autocast: the losses upcast, do it once here
-        loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs or {})
-        loss.backward()
-        loss_sum = loss_sum + loss.detach().float()
-        sums.merge(metrics)
+    for i, rows in enumerate(micro):
+        # DDP: gradients are all-reduced once, in the last micro-batch's backward (forward and backward under no_sync)
+        last = i == len(micro) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            loss = _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs or {},
+                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums)
+        loss_sum = loss_sum + loss
     params = [p for p in model.parameters() if p.requires_grad]
-    if grad_clip is not None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    grad_norm = _grad_norm(params, grad_clip)
+    if group is not None:  # every rank applies the step or none does
+        dist.all_reduce(loss_sum, group=group)
     # Non-finite policy (docs/reliability.md): a step whose loss or gradient norm is NaN/inf is not applied.
     applied = bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))
     if applied:
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-    out = sums.reduce(group=None)
+    out = sums.reduce(group=group)
     out["train/nonfinite"] = float(not applied)
     out["train/grad_norm"] = float(grad_norm)
     out["train/micro_batches"] = float(len(micro))

@@ -1,0 +1,225 @@
+"""The trainer on torch.distributed: process group, data-parallel mesh, the student's wrapping, each rank's share.
+
+``torchrun --nproc-per-node N -m opdistill train ...`` and plain ``opdistill train`` run the same loop; this module
+holds everything that differs between them (docs/distributed.md):
+
+- :func:`init_distributed` joins the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the
+  environment; backend ``auto`` = nccl on CUDA, gloo on CPU, and the trainer runs on CPU in this version), or reuses
+  one already initialized; a plain process
+  gets a :class:`DistContext` of world size 1 with no group, and no collective ever runs.
+- Data parallelism: every rank owns a contiguous share of the step's prompts (``data.prompts_per_step`` must divide
+  by the world size), so the ``rollout.n`` samples of a prompt (one GRPO group) stay on one rank. Sampling is keyed
+  by (seed, step, global prompt index, sample index), so the same config draws the same samples at any world size.
+- :func:`wrap_student`: FSDP2 ``fully_shard`` per decoder layer and at the root (default), or DDP. Rollouts and
+  evaluation decode a different number of tokens on every rank, so they must not run collectives: under FSDP2 they
+  run on a plain replica of the student refreshed from the sharded weights before each use
+  (:meth:`DistContext.rollout_model`); under DDP the wrapped module itself has no collectives in its forward.
+- Rank 0 alone holds the run-directory lock and writes metrics, TensorBoard and checkpoint manifests; the others wait
+  for its verdict (:meth:`DistContext.from_main`), so a refusal reaches every rank instead of a hang.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from opdistill.errors import ConfigError, UserError
+
+__all__ = ["DistContext", "PeerError", "init_distributed", "launched_by_torchrun", "resolve_backend",
+           "wrap_student"]
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment describes a process group (torchrun, or any launcher setting the same variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve_backend(name: str, device_type: str = "cpu") -> str:
+    """``auto``: nccl for a run on CUDA devices, gloo on CPU. The trainer places its models on the CPU in this
+    version, so ``auto`` resolves to gloo (docs/distributed.md)."""
+    if name == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    return name
+
+
+class PeerError(UserError):
+    """Another rank (rank 0 for the run directory) refused the run; this rank stops with its message."""
+
+    kind = "error on another rank"
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job. ``group`` is the data-parallel group (None: one process, no collective)."""
+
+    rank: int = 0
+    world: int = 1
+    group: object = None
+    mesh: object = None
+    strategy: str = "none"  # none | ddp | fsdp2
+    owns_group: bool = False  # init_distributed created the process group (and destroys it on close)
+    _replica: object = field(default=None, repr=False)
+    _replica_of: object = field(default=None, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.group is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, total: int) -> tuple[int, int]:
+        """(offset, count) of this rank's contiguous share of ``total`` items (``total`` divides by the world)."""
+        n = total // self.world
+        return self.rank * n, n
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(offset, count) of this rank's contiguous part of ``total`` items, any ``total`` (the first ranks get one
+        more when it does not divide)."""
+        base, extra = divmod(total, self.world)
+        start = self.rank * base + min(self.rank, extra)
+        return start, base + (self.rank < extra)
+
+    # -- collectives (no-ops at world size 1) -------------------------------------------------------------------
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the ranks, in float64."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.tolist()
+
+    def max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t)
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (any picklable value)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def from_main(self, fn, *args, **kwargs):
+        """Run ``fn`` on rank 0 only and hand its outcome to every rank: rank 0 returns ``fn``'s result, the others
+        ``None``; an exception of ``fn`` is raised on rank 0 and, as a :class:`PeerError` with its message, on the
+        others (instead of leaving them waiting at the next collective)."""
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- re-raised below, after the others have heard of it
+                error = e
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise PeerError(f"rank 0 stopped the run ({box[0]})")
+        return result
+
+    # -- the student --------------------------------------------------------------------------------------------
+    def rollout_model(self, model):
+        """The module to decode with (rollouts, evaluation): no collective in its forward. Under FSDP2 the plain
+        replica, refreshed from the sharded weights (every rank must call this at the same point); otherwise
+        ``model`` itself (the wrapped module under DDP)."""
+        if self._replica is None:
+            return getattr(model, "module", model)
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                self._replica.get_parameter(name).copy_(full)
+        return self._replica
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def init_distributed(cfg) -> DistContext:
+    """The process layout of a run of trainer config ``cfg`` (its ``distributed``, ``data``, ``eval`` sections)."""
+    dc = cfg.distributed
+    if not (dist.is_available() and (dist.is_initialized() or launched_by_torchrun())):
+        return DistContext()
+    owns = False
+    if not dist.is_initialized():
+        backend = resolve_backend(dc.backend)
+        if backend == "nccl":
+            raise ConfigError("distributed.backend: nccl needs the trainer on CUDA devices, which this version does "
+                              "not place models on yet; use distributed.backend=gloo (docs/distributed.md)")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=dc.timeout_s))
+        owns = True
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, owns_group=owns)
+    try:
+        pps = cfg.data.prompts_per_step
+        if pps % world:
+            raise ConfigError(f"data.prompts_per_step: expected a multiple of the data-parallel size {world} (each "
+                              f"rank samples an equal share of the step's prompts), got {pps}")
+        if 0 < cfg.eval.num_prompts < world:
+            raise ConfigError(f"eval.num_prompts: expected 0 or at least the data-parallel size {world} (every rank "
+                              f"evaluates a share), got {cfg.eval.num_prompts}")
+        if dc.strategy == "fsdp2" and cfg.train.fused_lm_head:
+            raise ConfigError("train.fused_lm_head: not supported with distributed.strategy=fsdp2 (the fused loss "
+                              "reads the whole lm_head); use distributed.strategy=ddp or train.fused_lm_head=false")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ctx.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        ctx.group = ctx.mesh.get_group()
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx
+
+
+def _decoder_layers(model) -> list:
+    """The transformer blocks of a transformers causal LM (``model.model.layers`` and the like), else []."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, torch.nn.ModuleList):
+            return list(node)
+    return []
+
+
+def wrap_student(ctx: DistContext, student):
+    """The student as trained by ``ctx``: unchanged at world size 1 without a group, else FSDP2 (each decoder layer,
+    then the root, sharded over the data-parallel mesh; a plain replica kept for decoding) or DDP."""
+    if not ctx.enabled:
+        return student
+    if ctx.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(student, process_group=ctx.group)
+    from torch.distributed.fsdp import fully_shard
+
+    ctx._replica = copy.deepcopy(student).requires_grad_(False).eval()
+    for layer in _decoder_layers(student):
+        fully_shard(layer, mesh=ctx.mesh)
+    fully_shard(student, mesh=ctx.mesh)
+    return student

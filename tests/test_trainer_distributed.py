@@ -1,0 +1,295 @@
+"""``opdistill train`` on torch.distributed (gloo, 2 processes) against the one-process run of the same config.
+
+One ``mp.spawn`` launch (tests/distributed_trainer.py) runs every world-2 trainer case in order: on_policy (FSDP2,
+4 steps, a checkpoint each step), its resume at world 2 from the step-2 checkpoint, off_policy (DDP) and rl (FSDP2).
+The world-1 runs happen in this process. Then one ``torchrun -m opdistill train`` launch covers the real entry point
+on the demo config, and one more a rank that raises (the job must stop promptly with that rank's error).
+
+Expectations: the same sampled tokens (keyed sampling, rows of a prompt on one rank), per-step
+``distillation/loss`` (``policy/loss`` for rl) and ``train/grad_norm`` equal to 1e-5 relative (fp32), exactly one
+metrics line per step, evaluation numbers equal to world 1's (accuracies exactly, log-prob sums to 1e-4 relative:
+the sampler's fp32 log-probs differ in the last bits with the batch shape), and a checkpoint saved at world 2 that
+resumes at world 1 and at world 2 with the uninterrupted run's losses (and a world-1 checkpoint at world 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from opdistill.errors import ConfigError
+from opdistill.train import loop
+from opdistill.train.config import load_config
+from opdistill.train.logger import read_metrics
+from tests.distributed_trainer import record_rollouts
+from tests.parallel_launch import launch
+from tests.trainer_helpers import tiny_config_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+REL = 1e-5
+
+
+def _configs(tmp: Path) -> dict:
+    common = dict(data={"prompts_per_step": 4}, optim={"lr": 1e-2, "warmup_steps": 1, "schedule": "constant"},
+                  eval={"num_prompts": 4, "batch_size": 4}, checkpoint={"every": 1, "keep_last": 4})
+    on = tiny_config_dict(tmp, method="on_policy", steps=4, **common)
+    off = tiny_config_dict(tmp, method="off_policy", steps=3, distributed={"strategy": "ddp"}, **common)
+    # rl on a dataset whose answer is one digit "somewhere in the response": the tiny random student earns a reward
+    # often enough that the groups' advantages are not all 0 (carry_add's exact sums it never gets)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a in range(3) for b in range(4)]
+    (tmp / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rl = tiny_config_dict(tmp, method="rl", steps=3, rollout={"n": 4, "max_new_tokens": 12}, **common)
+    rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4}
+    return {"on": on, "off": off, "rl": rl}
+
+
+def _with_run_dir(cfg: dict, run_dir: Path) -> dict:
+    return {**cfg, "run_dir": str(run_dir)}
+
+
+def _losses(run_dir, key="distillation/loss"):
+    return [(r["step"], r[key], r["train/grad_norm"]) for r in read_metrics(run_dir) if key in r]
+
+
+def _assert_close_rows(got, want):
+    assert [s for s, *_ in got] == [s for s, *_ in want]
+    for (s, *g), (_, *w) in zip(got, want):
+        for a, b in zip(g, w):
+            assert a == pytest.approx(b, rel=REL, abs=1e-12), (s, g, w)
+
+
+def _eval_rows(run_dir):
+    return [{k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(run_dir)
+            if "eval/greedy_acc" in r]
+
+
+def _world2_tokens(out: Path, name: str) -> dict:
+    """{step: {global prompt index: [rows]}} merged over both ranks."""
+    merged: dict = {}
+    for rank in (0, 1):
+        for step, prompts in json.loads((out / f"{name}_tokens_rank{rank}.json").read_text()).items():
+            for p, rows in prompts.items():
+                assert p not in merged.setdefault(step, {}), "a prompt sampled on two ranks"
+                merged[step][p] = rows
+    return merged
+
+
+def _run_world1(name: str, cfg: dict, run_dir: Path) -> dict:
+    sink: dict = {}
+    restore = record_rollouts(sink)
+    try:
+        loop.run_training(load_config(base=_with_run_dir(cfg, run_dir)), quiet=True)
+    finally:
+        restore()
+    return sink
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The world-2 launch and the world-1 runs of the same configs; returns (tmp, configs, world-1 tokens)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    cfgs = _configs(tmp)
+    tokens1 = {"on": _run_world1("on", cfgs["on"], tmp / "w1_on")}  # first: the launch resumes its checkpoint
+    plan = [
+        {"name": "on", "config": _with_run_dir(cfgs["on"], tmp / "w2_on")},
+        {"name": "on_resume", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_resume"), "resume": True,
+         "prepare_resume_from": str(tmp / "w2_on"), "resume_step": 2},
+        {"name": "on_from1", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_from1"), "resume": True,
+         "prepare_resume_from": str(tmp / "w1_on"), "resume_step": 2},
+        {"name": "off", "config": _with_run_dir(cfgs["off"], tmp / "w2_off")},
+        {"name": "rl", "config": _with_run_dir(cfgs["rl"], tmp / "w2_rl")},
+    ]
+    out = tmp / "out"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
+    launch("tests.distributed_trainer:run_plan", 2, str(out))
+    for name in ("off", "rl"):
+        tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
+    return tmp, cfgs, tokens1
+
+
+@pytest.mark.parametrize("name", ["on", "off", "rl"])
+def test_world2_samples_and_losses_equal_world1(runs, name):
+    tmp, _, tokens1 = runs
+    assert _world2_tokens(tmp / "out", name) == tokens1[name]  # the same sampled tokens, prompt by prompt
+    key = "policy/loss" if name == "rl" else "distillation/loss"
+    w1, w2 = _losses(tmp / f"w1_{name}", key), _losses(tmp / f"w2_{name}", key)
+    assert len(w1) == (4 if name == "on" else 3)
+    assert all(gn > 0 for *_, gn in w1)  # a real gradient every step (an all-zero one would compare trivially)
+    _assert_close_rows(w2, w1)
+    # exactly one metrics line per step (plus the evaluations before the first and after the last step)
+    steps = [r["step"] for r in read_metrics(tmp / f"w2_{name}") if "train/grad_norm" in r]
+    assert steps == list(range(1, len(w1) + 1))
+
+
+def test_world2_evaluation_equals_world1(runs):
+    tmp, _, _ = runs
+    for name in ("on", "rl"):
+        w1, w2 = _eval_rows(tmp / f"w1_{name}"), _eval_rows(tmp / f"w2_{name}")
+        assert len(w1) == len(w2) == 2 and set(w1[0]) == set(w2[0])
+        for a, b in zip(w2, w1):
+            for k in b:
+                if k.endswith("_acc"):
+                    assert a[k] == b[k], k
+                else:
+                    assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
+
+
+def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
+    tmp, cfgs, _ = runs
+    full = _losses(tmp / "w1_on")
+    ckpt = tmp / "w2_on" / "checkpoints" / "step_00000004"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["layout"] == "dcp" and "dcp/.metadata" in manifest["files"]
+    # resumed at world 2 (inside the launch) from the step-2 checkpoint
+    _assert_close_rows(_losses(tmp / "w2_on_resume"), full)
+    # and a one-process checkpoint (world 1's step 2) resumed at world 2
+    _assert_close_rows(_losses(tmp / "w2_on_from1"), full)
+    # resumed here, at world 1, from the same checkpoint
+    w1 = tmp / "w1_resume"
+    shutil.copytree(tmp / "w2_on", w1)
+    for c in (w1 / "checkpoints").iterdir():
+        if int(c.name.split("_")[1]) > 2:
+            shutil.rmtree(c)
+    loop.run_training(load_config(base=_with_run_dir(cfgs["on"], w1)), resume=True, quiet=True)
+    _assert_close_rows(_losses(w1), full)
+    # the final student is also a plain transformers folder, holding exactly the sharded state's weights
+    from transformers import AutoModelForCausalLM
+
+    from opdistill.train.checkpoint import load_checkpoint
+
+    exported = AutoModelForCausalLM.from_pretrained(ckpt)
+    from_dcp = AutoModelForCausalLM.from_pretrained(cfgs["on"]["model"]["student"])
+    state = load_checkpoint(ckpt, from_dcp)
+    assert state["step"] == 4
+    for (n, a), (m, b) in zip(exported.state_dict().items(), from_dcp.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo crafted",))
+
+
+def test_a_crafted_sharded_checkpoint_is_refused_without_running_code(runs, tmp_path):
+    import pickle
+
+    from opdistill.models import load_model
+    from opdistill.train import checkpoint as ckpt_mod
+    from opdistill.train.rundir import CheckpointError
+
+    tmp, cfgs, _ = runs
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(tmp / "w2_on" / "checkpoints" / "step_00000004", ckpt)
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    ckpt_mod._write_manifest(ckpt, 4, "dcp")  # a consistent manifest: the attacker rewrote it too
+    with pytest.raises(CheckpointError) as e:
+        ckpt_mod.load_checkpoint(ckpt, load_model(cfgs["on"]["model"]["student"]))
+    assert str(e.value) == (f"{ckpt / 'dcp' / '.metadata'}: refers to posix.system, which a checkpoint's metadata "
+                            f"never holds (a crafted file?); it is not loaded")
+
+
+def _torchrun(*args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+DEMO_OVERRIDES = ["train.steps=2", "data.prompts_per_step=4", "rollout.max_new_tokens=16", "eval.num_prompts=4",
+                  "checkpoint.every=0", "log.tensorboard=false", "log.progress=false", "train.threads=1"]
+
+
+def test_torchrun_entry_point_on_the_demo_config(tmp_path):
+    r = _torchrun("-m", "opdistill", "train", "--config", "configs/demo_carry_add.yaml",
+                  f"run_dir={tmp_path / 'w2'}", *DEMO_OVERRIDES)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count('"steps": 2') == 1  # rank 0 alone reports
+    cfg = load_config("configs/demo_carry_add.yaml", [f"run_dir={tmp_path / 'w1'}", *DEMO_OVERRIDES])
+    loop.run_training(cfg, quiet=True)
+    w1, w2 = _losses(tmp_path / "w1"), _losses(tmp_path / "w2")
+    assert len(w1) == 2
+    _assert_close_rows(w2, w1)
+    assert [r["step"] for r in read_metrics(tmp_path / "w2") if "train/grad_norm" in r] == [1, 2]
+
+
+_FAIL_ENTRY = """
+import os, sys
+from opdistill.train import loop
+real = loop.train_step
+def failing(*args, **kwargs):
+    if os.environ["RANK"] == "1" and kwargs.get("group") is not None and failing.calls == 1:
+        raise RuntimeError("injected failure on this rank")
+    failing.calls += 1
+    return real(*args, **kwargs)
+failing.calls = 0
+loop.train_step = failing
+from opdistill.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_rank_that_raises_stops_the_job_promptly(tmp_path):
+    cfg = tiny_config_dict(tmp_path, steps=4, data={"prompts_per_step": 2}, eval={"num_prompts": 0},
+                           distributed={"timeout_s": 600})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "entry.py").write_text(_FAIL_ENTRY)
+    t0 = time.monotonic()
+    r = _torchrun(str(tmp_path / "entry.py"), "train", "--config", str(tmp_path / "c.yaml"), timeout=240)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "injected failure on this rank" in r.stderr
+    assert elapsed < 120, elapsed  # stopped by the failing rank, not by the 600 s collective timeout
+    # the step-1 checkpoint is intact: --resume works (at world size 1 here)
+    assert (Path(cfg["run_dir"]) / "checkpoints" / "step_00000001" / "manifest.json").exists()
+    loop.run_training(load_config(base=cfg), resume=True, quiet=True)
+    assert [r["step"] for r in read_metrics(cfg["run_dir"]) if "train/grad_norm" in r] == [1, 2, 3, 4]
+
+
+def test_prompts_per_step_must_divide_by_the_world_size():
+    from opdistill.train.distributed import init_distributed
+
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 3},
+                            "loss": {"loss_mode": "topk", "topk": 4}})
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    import torch.distributed as dist
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch.object(dist, "is_initialized", return_value=True), \
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch.object(dist, "get_rank", return_value=0):
+        with pytest.raises(ConfigError) as e:
+            init_distributed(cfg)
+    assert str(e.value) == ("data.prompts_per_step: expected a multiple of the data-parallel size 2 (each rank "
+                            "samples an equal share of the step's prompts), got 3")
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
+                            "eval": {"num_prompts": 1}, "loss": {"loss_mode": "topk", "topk": 4}})
+    with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch.object(dist, "is_initialized", return_value=True), \
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch.object(dist, "get_rank", return_value=0):
+        with pytest.raises(ConfigError) as e:
+            init_distributed(cfg)
+    assert str(e.value) == ("eval.num_prompts: expected 0 or at least the data-parallel size 2 (every rank "
+                            "evaluates a share), got 1")
+
+
+def test_errors_and_warnings_carry_the_rank_under_torchrun(tmp_path, monkeypatch, capsys):
+    from opdistill.cli import _one_line_warning, main
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: abc\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert capsys.readouterr().err == "opdistill train: [rank 1] config error: optim.lr: expected a number > 0, got 'abc'\n"
+    assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: [rank 1] warning: careful\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: warning: careful\n"
