@@ -36,6 +36,7 @@ from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
 from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
 from opdistill.train.preflight import check_against_models
+from opdistill.train.remote_teacher import connect_teacher, score_rollouts
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -72,7 +73,7 @@ def load_models(cfg: TrainerConfig):
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
-    if mc.teacher:
+    if mc.teacher and cfg.teacher.url is None:  # with teacher.url the server scores (train/remote_teacher.py)
         teacher_path = resolve_model_path(mc.teacher)
         teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
         teacher.requires_grad_(False)
@@ -150,11 +151,7 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
-        targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
-        lc = cfg.loss
-        scores = score_teacher(teacher, ro.input_ids, ro.attention_mask,
-                               k=lc.topk if lc.loss_mode == "topk" else None,
-                               sampled_ids=targets if lc.loss_mode == "sampled" else None)
+        scores = score_rollouts(teacher, ro, cfg.loss, step)  # in process, or the teacher.url server
         data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
@@ -257,6 +254,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         tok, student, teacher = models if models is not None else load_models(cfg)
         task = build_task(cfg)
         check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
+        remote = connect_teacher(cfg, tok, student)  # teacher.url: the server, checked against the student
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
@@ -290,7 +288,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                     break
                 state.step += 1
                 t0 = time.perf_counter()
-                data, metrics = _collect(cfg, state.step, tok, student, teacher, task, source, cache)
+                data, metrics = _collect(cfg, state.step, tok, student, remote or teacher, task, source, cache)
                 t1 = time.perf_counter()
                 metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,

@@ -1,0 +1,403 @@
+"""A remote teacher: the wire format of ``opdistill serve-teacher`` (payload codecs) and its HTTP client.
+
+Design notes
+- What travels: the client sends the step's padded rows as they are (``input_ids``, ``attention_mask``,
+  ``response_mask``, ``[B, S]``), so the server scores exactly the tensors the in-process teacher would score. The
+  server answers only at the *scored positions*: row b, position t with ``response_mask[b, t + 1] == 1`` (the
+  positions whose next token is a response token, the only ones the loss reads), in row-major order (``P`` of them).
+  The client puts them back into ``[B, S, ...]`` tensors; every other position holds id 0 and log-prob -inf (top-k)
+  or 0 (next-token log-prob), the values the loss sanitises masked positions to, so nothing there changes a loss.
+- Per scored position the answer holds the teacher's top-K ids and log-probs, the log-prob of the next token, and,
+  when the client names ids per position (``requested_ids`` ``[P, J]``, e.g. the student's own top-k), the
+  teacher's log-probs at those ids. Log-probs are at the request's temperature (echoed back).
+- Payloads (content negotiation on ``Accept``): ``application/json`` (debugging; exact: float32 values written as
+  the shortest decimal that reads back to the same float, -inf as ``null``) or ``application/x-opdistill-v1``:
+  ``b"OPDT"``, a little-endian uint32 header length, a UTF-8 JSON header (the fields of the answer and one entry per
+  array: name, dtype, shape, byte offset), then the raw little-endian arrays. Ids are uint16 when the vocabulary
+  fits in 16 bits, else int32. Log-probs (``;logprobs=fp32|fp16|int8`` in the Accept header) are float32 (exact),
+  float16 (relative error <= 2^-11 per value, -inf kept) or 8-bit: per position, ``top`` (float32, the largest
+  finite value, exact) and a float16 step ``s >= (top - smallest finite value) / 254``; value = top - q * s for q
+  in 0..254 and q = 255 for -inf, so the absolute error of every finite value is <= s / 2 (the header states the
+  largest such bound in the payload as ``int8_max_abs_error``).
+- The client retries connection failures, timeouts and 5xx answers with exponential backoff and then raises
+  :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming
+  the server and the request. A 4xx answer is not retried: its message comes back in the error.
+- At start the client checks ``/info`` against the student's tokenizer (the fingerprint of the teacher cache's
+  provenance: vocabulary, special tokens, chat template) and lm_head width, and refuses with a diff.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opdistill import TeacherTopK
+from opdistill.errors import UserError
+from opdistill.teacher import TeacherScores, tokenizer_fingerprint
+
+__all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "TeacherServiceError", "RemoteTeacher", "ScoreResult",
+           "scored_positions", "encode_result", "decode_result", "parse_accept", "INT8_LEVELS"]
+
+MEDIA_JSON = "application/json"
+MEDIA_BINARY = "application/x-opdistill-v1"
+MAGIC = b"OPDT"
+LOGPROB_CODECS = ("fp32", "fp16", "int8")
+INT8_LEVELS = 254  # q in 0..254 are values, 255 is -inf
+FP16_REL_ERROR = 2.0 ** -11
+
+
+class TeacherServiceError(UserError, RuntimeError):
+    """The teacher service cannot be used: unreachable after the retries, an answer refused (4xx, with the server's
+    message), a malformed answer, or a server whose teacher/tokenizer does not match the student (with a diff).
+    The message is one line naming the server and the request; the CLI prints it and exits 2."""
+
+    kind = "teacher service error"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The answer and its codecs (shared by the server and the client)
+
+@dataclass
+class ScoreResult:
+    """Scores at the P scored positions (row-major order of ``response_mask[b, t + 1] == 1``)."""
+
+    topk_ids: np.ndarray | None  # [P, K] int64
+    topk_logprobs: np.ndarray | None  # [P, K] float32
+    next_logprobs: np.ndarray  # [P] float32: the log-prob of the next token (the sampled token)
+    requested_logprobs: np.ndarray | None  # [P, J] float32
+    temperature: float
+    model: str = ""
+
+
+def scored_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, S]``: position t of row b is scored when ``response_mask[b, t + 1] == 1``."""
+    keep = torch.zeros(response_mask.shape, dtype=torch.bool)
+    keep[:, :-1] = response_mask[:, 1:].bool()
+    return keep
+
+
+def parse_accept(accept: str | None) -> tuple[str, str]:
+    """(media type, log-prob codec) from an Accept header: ``application/x-opdistill-v1;logprobs=fp16`` ->
+    (binary, fp16); JSON (or nothing, or ``*/*``) -> (json, fp32). Raises ValueError on an unknown codec or media
+    type."""
+    if not accept or accept.strip() in ("*/*", ""):
+        return MEDIA_JSON, "fp32"
+    for item in accept.split(","):
+        parts = [p.strip() for p in item.split(";")]
+        media = parts[0].lower()
+        params = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        if media == MEDIA_BINARY:
+            codec = params.get("logprobs", "fp32").strip().lower()
+            if codec not in LOGPROB_CODECS:
+                raise ValueError(f"Accept: logprobs={codec!r} is not one of {list(LOGPROB_CODECS)}")
+            return MEDIA_BINARY, codec
+        if media in (MEDIA_JSON, "application/*", "*/*"):
+            return MEDIA_JSON, "fp32"
+    raise ValueError(f"Accept: {accept!r} names no type this server writes ({MEDIA_JSON} or {MEDIA_BINARY})")
+
+
+def _json_floats(a: np.ndarray):
+    """float32 values as Python floats (exact round trip through JSON), -inf as None."""
+    out = a.astype(np.float64)
+    return [[None if v == -math.inf else v for v in row] for row in out.tolist()] if a.ndim == 2 else \
+        [None if v == -math.inf else v for v in out.tolist()]
+
+
+def _from_json_floats(x, name: str) -> np.ndarray:
+    try:
+        arr = np.array([[(-math.inf if v is None else v) for v in row] for row in x] if x and isinstance(x[0], list)
+                       else [(-math.inf if v is None else v) for v in x], dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected numbers or null ({e})") from None
+    return arr.astype(np.float32)
+
+
+def _int8_encode(x: np.ndarray):
+    """x [P, K] float32 (finite or -inf) -> (q uint8 [P, K], top float32 [P], step float16 [P], max abs error)."""
+    finite = np.isfinite(x)
+    big = np.where(finite, x, -np.inf).max(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
+    small = np.where(finite, x, np.inf).min(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
+    empty = ~np.isfinite(big)
+    top = np.where(empty, 0.0, big).astype(np.float32)
+    span = np.where(empty, 0.0, big - small).astype(np.float64)
+    step = (span / INT8_LEVELS).astype(np.float16)
+    # round the step UP to the next float16 so that q = (top - x) / step never exceeds INT8_LEVELS
+    low = step.astype(np.float64) * INT8_LEVELS < span
+    step = np.where(low, np.nextafter(step, np.float16(np.inf)), step).astype(np.float16)
+    s = step.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s[:, None] > 0, np.rint((top[:, None] - x) / s[:, None]), 0.0)
+    q = np.where(finite, np.clip(q, 0, INT8_LEVELS), 255).astype(np.uint8)
+    bound = float(s.max()) / 2 if s.size else 0.0
+    return q, top, step, bound
+
+
+def _int8_decode(q: np.ndarray, top: np.ndarray, step: np.ndarray) -> np.ndarray:
+    x = top[:, None].astype(np.float32) - q.astype(np.float32) * step.astype(np.float32)[:, None]
+    return np.where(q == 255, np.float32(-np.inf), x).astype(np.float32)
+
+
+def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size: int) -> bytes:
+    """The answer's body in ``media`` (JSON or binary with ``codec`` log-probs)."""
+    head = {"model": r.model, "temperature": r.temperature, "num_positions": int(r.next_logprobs.shape[0]),
+            "k": None if r.topk_ids is None else int(r.topk_ids.shape[1]),
+            "num_requested": None if r.requested_logprobs is None else int(r.requested_logprobs.shape[1])}
+    if media == MEDIA_JSON:
+        body = dict(head)
+        body["next_logprobs"] = _json_floats(r.next_logprobs)
+        if r.topk_ids is not None:
+            body["topk_ids"] = r.topk_ids.tolist()
+            body["topk_logprobs"] = _json_floats(r.topk_logprobs)
+        if r.requested_logprobs is not None:
+            body["requested_logprobs"] = _json_floats(r.requested_logprobs)
+        return json.dumps(body, separators=(",", ":")).encode()
+    arrays: list[tuple[str, np.ndarray]] = []
+    id_dtype = "<u2" if vocab_size <= 2 ** 16 else "<i4"
+    head["logprobs"] = codec
+    bounds = [0.0]
+
+    def add_logprobs(name: str, x: np.ndarray):
+        x = x.reshape(x.shape[0], -1).astype(np.float32)
+        if codec == "fp32":
+            arrays.append((name, x.astype("<f4")))
+        elif codec == "fp16":
+            arrays.append((name, x.astype("<f2")))
+        else:
+            q, top, step, bound = _int8_encode(x)
+            bounds.append(bound)
+            arrays.extend([(name + ".q", q), (name + ".top", top.astype("<f4")), (name + ".step", step.astype("<f2"))])
+
+    add_logprobs("next_logprobs", r.next_logprobs[:, None])
+    if r.topk_ids is not None:
+        arrays.append(("topk_ids", r.topk_ids.astype(id_dtype)))
+        add_logprobs("topk_logprobs", r.topk_logprobs)
+    if r.requested_logprobs is not None:
+        add_logprobs("requested_logprobs", r.requested_logprobs)
+    if codec == "int8":
+        head["int8_max_abs_error"] = max(bounds)
+    entries, offset = [], 0
+    for name, a in arrays:
+        a = np.ascontiguousarray(a)
+        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset})
+        offset += a.nbytes
+    head["arrays"] = entries
+    hb = json.dumps(head, separators=(",", ":")).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(hb)), hb] + [np.ascontiguousarray(a).tobytes() for _, a in arrays])
+
+
+_WIRE_DTYPES = {"<u2", "<i4", "<f4", "<f2", "|u1"}
+
+
+def decode_result(body: bytes, media: str) -> ScoreResult:
+    """Parse an answer (either format) back to float32 / int64 arrays. Raises ValueError on anything malformed."""
+    if media.split(";")[0].strip().lower() == MEDIA_JSON:
+        d = json.loads(body)
+        if not isinstance(d, dict) or "next_logprobs" not in d:
+            raise ValueError("the JSON answer has no 'next_logprobs'")
+        ids = np.array(d["topk_ids"], dtype=np.int64) if d.get("topk_ids") is not None else None
+        lp = _from_json_floats(d["topk_logprobs"], "topk_logprobs") if ids is not None else None
+        if ids is not None and ids.size == 0:
+            ids = ids.reshape(0, d.get("k") or 0)
+            lp = lp.reshape(0, d.get("k") or 0)
+        req = d.get("requested_logprobs")
+        req = _from_json_floats(req, "requested_logprobs") if req is not None else None
+        if req is not None and req.size == 0:
+            req = req.reshape(0, d.get("num_requested") or 0)
+        return ScoreResult(ids, lp, _from_json_floats(d["next_logprobs"], "next_logprobs").reshape(-1), req,
+                           float(d["temperature"]), str(d.get("model", "")))
+    if body[:4] != MAGIC or len(body) < 8:
+        raise ValueError("not an opdistill-v1 payload (bad magic)")
+    (hlen,) = struct.unpack("<I", body[4:8])
+    head = json.loads(body[8 : 8 + hlen])
+    data = memoryview(body)[8 + hlen :]
+    arrays = {}
+    for e in head["arrays"]:
+        if e["dtype"] not in _WIRE_DTYPES:
+            raise ValueError(f"array {e['name']!r}: dtype {e['dtype']!r} is not a wire dtype")
+        dt = np.dtype(e["dtype"])
+        n = int(np.prod(e["shape"], dtype=np.int64)) * dt.itemsize
+        if e["offset"] < 0 or e["offset"] + n > len(data):
+            raise ValueError(f"array {e['name']!r} runs past the end of the payload")
+        arrays[e["name"]] = np.frombuffer(data[e["offset"] : e["offset"] + n], dtype=dt).reshape(e["shape"])
+    codec = head["logprobs"]
+
+    def get_lp(name):
+        if codec == "int8":
+            if name + ".q" not in arrays:
+                return None
+            return _int8_decode(arrays[name + ".q"], arrays[name + ".top"], arrays[name + ".step"])
+        return arrays[name].astype(np.float32) if name in arrays else None
+
+    ids = arrays["topk_ids"].astype(np.int64) if "topk_ids" in arrays else None
+    return ScoreResult(ids, get_lp("topk_logprobs"), get_lp("next_logprobs").reshape(-1), get_lp("requested_logprobs"),
+                       float(head["temperature"]), str(head.get("model", "")))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The client
+
+_TOKENIZER_FIELDS = ("tokenizer_sha256", "tokenizer_vocab_size")
+
+
+def _short(field: str, value):
+    return value[:12] if field.endswith("_sha256") and isinstance(value, str) else value
+
+
+class RemoteTeacher:
+    """A client of ``opdistill serve-teacher``: ``score`` returns the same :class:`TeacherScores` as
+    :func:`opdistill.teacher.score_teacher` on the same rows (equal for the fp32 payload).
+
+    ``url``: http(s)://host:port (TLS by the scheme); ``token_file``: a file holding the bearer token;
+    ``timeout_s`` per request; ``retries`` after the first try, waiting ``backoff_s * 2**i`` before try i + 1;
+    ``payload``: json | fp32 | fp16 | int8."""
+
+    def __init__(self, url: str, *, token_file: str | None = None, timeout_s: float = 60.0, retries: int = 3,
+                 backoff_s: float = 0.5, payload: str = "fp32", key: str = "teacher.url"):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.key = key
+        self.retries, self.backoff_s, self.payload = retries, backoff_s, payload
+        if payload not in ("json",) + LOGPROB_CODECS:
+            raise ValueError(f"payload: expected one of json/fp32/fp16/int8, got {payload!r}")
+        headers = {"Accept": MEDIA_JSON if payload == "json" else f"{MEDIA_BINARY};logprobs={payload}"}
+        if token_file is not None:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as e:
+                raise TeacherServiceError(f"teacher.token_file={token_file!r}: cannot read the token file "
+                                          f"({e.strerror})") from None
+            if not token:
+                raise TeacherServiceError(f"teacher.token_file={token_file!r}: the token file is empty")
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.info: dict | None = None
+        self.requests = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _request(self, method: str, path: str, what: str, **kw):
+        import httpx
+
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = self._client.request(method, path, **kw)
+            except httpx.TransportError as e:  # connect/read errors and timeouts: retried
+                last = f"{type(e).__name__}: {' '.join(str(e).split()) or 'no answer'}"
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {_detail(resp)}"
+                continue
+            if resp.status_code >= 400:
+                raise TeacherServiceError(f"{self.key}={self.url}: {method} {path} ({what}) was refused: HTTP "
+                                          f"{resp.status_code}: {_detail(resp)}")
+            self.requests += 1
+            self.bytes_received += len(resp.content)
+            return resp
+        raise TeacherServiceError(f"{self.key}={self.url}: {method} {path} ({what}) failed after {self.retries + 1} "
+                                  f"tries ({last}); start the teacher server or fix {self.key}, then continue the "
+                                  f"run with --resume")
+
+    def fetch_info(self) -> dict:
+        resp = self._request("GET", "/info", "server info")
+        try:
+            self.info = resp.json()
+        except ValueError:
+            raise TeacherServiceError(f"{self.key}={self.url}: GET /info answered something that is not JSON; is "
+                                      f"this an opdistill serve-teacher server?") from None
+        return self.info
+
+    def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
+        """Refuse (with a diff) a server whose tokenizer differs from the student's (the teacher cache's rules:
+        vocabulary, special tokens and chat template fingerprint, size), whose vocabulary width differs from the
+        student's lm_head, or whose largest K is below ``k``. Returns the server's /info."""
+        info = self.info or self.fetch_info()
+        current = tokenizer_fingerprint(tokenizer)
+        diff = [f"{f}: student {_short(f, current[f])!r}, server {_short(f, info.get(f))!r}"
+                for f in _TOKENIZER_FIELDS if info.get(f) != current[f]]
+        if student is not None:
+            width = int(student.get_output_embeddings().weight.shape[0])
+            if info.get("teacher_vocab_size") != width:
+                diff.append(f"vocabulary width: student lm_head {width}, server teacher {info.get('teacher_vocab_size')}")
+        if diff:
+            raise TeacherServiceError(f"{self.key}={self.url}: the server's teacher cannot be distilled into this "
+                                      f"student: {'; '.join(diff)} (the same rules as a teacher cache's provenance)")
+        if k is not None and info.get("max_k") is not None and k > info["max_k"]:
+            raise TeacherServiceError(f"{self.key}={self.url}: loss.topk={k} is above the server's max K "
+                                      f"{info['max_k']}; lower loss.topk or start the server with a larger --max-k")
+        return info
+
+    def score_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+                        k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
+                        what: str = "") -> ScoreResult:
+        """The raw answer at the scored positions (see the module notes)."""
+        body = {"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist(),
+                "response_mask": response_mask.tolist(), "k": k, "temperature": temperature}
+        if requested_ids is not None:
+            body["requested_ids"] = requested_ids.tolist()
+        B, S = input_ids.shape
+        what = what or f"{B} rows x {S} positions"
+        resp = self._request("POST", "/v1/score", what, content=json.dumps(body, separators=(",", ":")).encode(),
+                             headers={"Content-Type": MEDIA_JSON})
+        try:
+            r = decode_result(resp.content, resp.headers.get("content-type", MEDIA_JSON))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/score ({what}) answered a malformed payload "
+                                      f"({e})") from None
+        P = int(scored_positions(response_mask).sum())
+        if r.next_logprobs.shape[0] != P or (k and (r.topk_ids is None or r.topk_ids.shape != (P, k))):
+            raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/score ({what}) answered scores for "
+                                      f"{r.next_logprobs.shape[0]} positions, expected {P} (K={k})")
+        if r.temperature != float(temperature):
+            raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/score ({what}) scored at temperature "
+                                      f"{r.temperature}, asked {temperature}")
+        return r
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+              k: int | None = None, sampled: bool = False, what: str = "") -> TeacherScores:
+        """What :func:`~opdistill.teacher.score_teacher` returns for the loss: top-k ``[B, S, K]`` (id 0 / -inf
+        where nothing is scored) and/or the next-token log-prob ``[B, S]`` (0 where nothing is scored)."""
+        if k is None and not sampled:
+            raise ValueError("RemoteTeacher.score: ask for top-k (k=...) or sampled-token scores (sampled=True)")
+        r = self.score_positions(input_ids, attention_mask, response_mask, k=k, what=what)
+        keep = scored_positions(response_mask)
+        B, S = input_ids.shape
+        topk = None
+        if k:
+            ids = torch.zeros(B, S, k, dtype=torch.long)
+            lp = torch.full((B, S, k), float("-inf"), dtype=torch.float32)
+            ids[keep] = torch.from_numpy(r.topk_ids)
+            lp[keep] = torch.from_numpy(np.ascontiguousarray(r.topk_logprobs))
+            topk = TeacherTopK(ids, lp)
+        samp = None
+        if sampled:
+            samp = torch.zeros(B, S, dtype=torch.float32)
+            samp[keep] = torch.from_numpy(np.ascontiguousarray(r.next_logprobs))
+        return TeacherScores(topk, samp)
+
+
+def _detail(resp) -> str:
+    try:
+        d = resp.json()
+        if isinstance(d, dict) and "detail" in d:
+            return " ".join(str(d["detail"]).split())[:500]
+    except ValueError:
+        pass
+    return " ".join(resp.text.split())[:500] or "(empty body)"

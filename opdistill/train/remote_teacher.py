@@ -1,0 +1,47 @@
+"""Where the trainer's teacher scores come from: the in-process teacher or a teacher server (``teacher.url``).
+
+:func:`connect_teacher` opens the client and checks the server against the student before any training;
+:func:`score_rollouts` is the one place the loop asks for teacher scores, and returns the same
+:class:`~opdistill.teacher.TeacherScores` either way (docs/teacher_service.md).
+"""
+from __future__ import annotations
+
+from opdistill.batch import shift_for_next_token
+from opdistill.engines.remote import RemoteTeacher
+from opdistill.teacher import TeacherScores, score_teacher
+
+__all__ = ["connect_teacher", "score_rollouts"]
+
+
+def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
+    """The ``teacher.url`` client, its /info checked against the student (None when no url is set)."""
+    tc = cfg.teacher
+    if tc.url is None:
+        return None
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        from opdistill.errors import ConfigError
+
+        raise ConfigError("teacher.url: the teacher client needs the serve extra (httpx is missing): "
+                          "pip install 'opdistill[serve]'") from None
+    client = RemoteTeacher(tc.url, token_file=tc.token_file, timeout_s=tc.timeout_s, retries=tc.retries,
+                           backoff_s=tc.backoff_s, payload=tc.payload)
+    try:
+        client.check_student(tokenizer, student, k=cfg.loss.topk if cfg.loss.loss_mode == "topk" else None)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def score_rollouts(teacher, ro, loss_cfg, step: int) -> TeacherScores:
+    """Teacher scores of a step's rollouts ``ro`` for the loss ``loss_cfg``, from ``teacher``: a model (in process)
+    or a :class:`RemoteTeacher`."""
+    topk = loss_cfg.topk if loss_cfg.loss_mode == "topk" else None
+    sampled = loss_cfg.loss_mode == "sampled"
+    if isinstance(teacher, RemoteTeacher):
+        return teacher.score(ro.input_ids, ro.attention_mask, ro.response_mask, k=topk, sampled=sampled,
+                             what=f"step {step}: {ro.input_ids.shape[0]} rows x {ro.input_ids.shape[1]} positions")
+    targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
+    return score_teacher(teacher, ro.input_ids, ro.attention_mask, k=topk, sampled_ids=targets if sampled else None)
