@@ -15,10 +15,12 @@ Design notes
   ``b"OPDT"``, a little-endian uint32 header length, a UTF-8 JSON header (the fields of the answer and one entry per
   array: name, dtype, shape, byte offset), then the raw little-endian arrays. Ids are uint16 when the vocabulary
   fits in 16 bits, else int32. Log-probs (``;logprobs=fp32|fp16|int8`` in the Accept header) are float32 (exact),
-  float16 (relative error <= 2^-11 per value, -inf kept) or 8-bit: per position, ``top`` (float32, the largest
-  finite value, exact) and a float16 step ``s >= (top - smallest finite value) / 254``; value = top - q * s for q
-  in 0..254 and q = 255 for -inf, so the absolute error of every finite value is <= s / 2 (the header states the
-  largest such bound in the payload as ``int8_max_abs_error``).
+  float16 or 8-bit, both rounded toward -inf, so a decoded log-prob never exceeds the teacher's (a top-k mass never
+  grows: the loss's mass check cannot trip on rounding). float16: relative error < 2^-10 per value, -inf kept.
+  8-bit: per position, ``top`` (the largest finite value, float16) and a float16 step ``s >= (top - smallest finite
+  value) / 254``; value = top - q * s for q in 0..254 and q = 255 for -inf, so every finite value is decoded below
+  the sent one by < s + 2^-10 |top| (the header states the largest such bound in the payload as
+  ``int8_max_abs_error``). With int8 the next-token log-prob (one value per position) travels as float16.
 - The client retries connection failures, timeouts and 5xx answers with exponential backoff and then raises
   :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming
   the server and the request. A 4xx answer is not retried: its message comes back in the error.
@@ -49,7 +51,7 @@ MEDIA_BINARY = "application/x-opdistill-v1"
 MAGIC = b"OPDT"
 LOGPROB_CODECS = ("fp32", "fp16", "int8")
 INT8_LEVELS = 254  # q in 0..254 are values, 255 is -inf
-FP16_REL_ERROR = 2.0 ** -11
+FP16_REL_ERROR = 2.0 ** -11  # half an ulp; rounding down costs up to one ulp (2^-10)
 
 
 class TeacherServiceError(UserError, RuntimeError):
@@ -118,23 +120,37 @@ def _from_json_floats(x, name: str) -> np.ndarray:
     return arr.astype(np.float32)
 
 
+def _fp16_down(x: np.ndarray) -> np.ndarray:
+    """float16 rounded toward -inf: a decoded log-prob never exceeds the sent one (so a top-k mass never grows past
+    what the teacher gave, and the loss's mass check never trips on rounding); error < 2^-10 relative."""
+    h = np.clip(x, -65504, None).astype(np.float16)  # finite values below -65504 (none in practice) stay finite
+    h = np.where(np.isneginf(x), np.float16(-np.inf), h)
+    up = h.astype(np.float32) > x
+    return np.where(up, np.nextafter(h, np.float16(-np.inf)), h).astype(np.float16)
+
+
 def _int8_encode(x: np.ndarray):
-    """x [P, K] float32 (finite or -inf) -> (q uint8 [P, K], top float32 [P], step float16 [P], max abs error)."""
+    """x [P, K] float32 (finite or -inf) -> (q uint8 [P, K], top float16 [P], step float16 [P], max abs error).
+
+    top = the largest finite value of the position rounded down to float16; step >= (top - smallest finite value)
+    / 254 rounded up to float16; q = ceil((top - x) / step) in [0, 254]; 255 = -inf. Every decoded value is <= the
+    sent one and below it by < step + 2^-10 |top|."""
     finite = np.isfinite(x)
-    big = np.where(finite, x, -np.inf).max(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
+    big = np.where(finite, x, -np.inf).max(axis=1) if x.shape[1] else np.full(x.shape[0], -np.inf, np.float32)
     small = np.where(finite, x, np.inf).min(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
     empty = ~np.isfinite(big)
-    top = np.where(empty, 0.0, big).astype(np.float32)
-    span = np.where(empty, 0.0, big - small).astype(np.float64)
+    top = _fp16_down(np.where(empty, 0.0, big).astype(np.float32))
+    t = top.astype(np.float64)
+    span = np.where(empty, 0.0, np.maximum(t - small, 0.0))
     step = (span / INT8_LEVELS).astype(np.float16)
     # round the step UP to the next float16 so that q = (top - x) / step never exceeds INT8_LEVELS
     low = step.astype(np.float64) * INT8_LEVELS < span
     step = np.where(low, np.nextafter(step, np.float16(np.inf)), step).astype(np.float16)
-    s = step.astype(np.float32)
+    s = step.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s[:, None] > 0, np.rint((top[:, None] - x) / s[:, None]), 0.0)
+        q = np.where(s[:, None] > 0, np.ceil((t[:, None] - x.astype(np.float64)) / s[:, None]), 0.0)
     q = np.where(finite, np.clip(q, 0, INT8_LEVELS), 255).astype(np.uint8)
-    bound = float(s.max()) / 2 if s.size else 0.0
+    bound = float((s + np.abs(t) * 2 * FP16_REL_ERROR).max()) if s.size else 0.0
     return q, top, step, bound
 
 
@@ -167,13 +183,16 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
         if codec == "fp32":
             arrays.append((name, x.astype("<f4")))
         elif codec == "fp16":
-            arrays.append((name, x.astype("<f2")))
+            arrays.append((name, _fp16_down(x).astype("<f2")))
         else:
             q, top, step, bound = _int8_encode(x)
             bounds.append(bound)
-            arrays.extend([(name + ".q", q), (name + ".top", top.astype("<f4")), (name + ".step", step.astype("<f2"))])
+            arrays.extend([(name + ".q", q), (name + ".top", top.astype("<f2")), (name + ".step", step.astype("<f2"))])
 
-    add_logprobs("next_logprobs", r.next_logprobs[:, None])
+    if codec == "int8":  # one value per position: float16 (2 bytes) beats 8 bits + top + step (5 bytes)
+        arrays.append(("next_logprobs", _fp16_down(r.next_logprobs.reshape(-1, 1)).astype("<f2")))
+    else:
+        add_logprobs("next_logprobs", r.next_logprobs[:, None])
     if r.topk_ids is not None:
         arrays.append(("topk_ids", r.topk_ids.astype(id_dtype)))
         add_logprobs("topk_logprobs", r.topk_logprobs)
@@ -228,7 +247,7 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
     codec = head["logprobs"]
 
     def get_lp(name):
-        if codec == "int8":
+        if codec == "int8" and name not in arrays:
             if name + ".q" not in arrays:
                 return None
             return _int8_decode(arrays[name + ".q"], arrays[name + ".top"], arrays[name + ".step"])
