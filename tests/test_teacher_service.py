@@ -427,3 +427,96 @@ def test_server_killed_mid_run_then_the_run_resumes(models, in_process_run, tmp_
     got = _losses(tmp_path / "run")
     assert [s for s, *_ in got] == list(range(1, 13))
     assert got[:2] == in_process_run  # the same numbers as the in-process teacher
+
+
+# -- a stock `vllm serve` endpoint (teacher.api=vllm), played by a stand-in server ------------------------------------
+def fake_vllm_app(teacher, served="the-teacher", max_logprobs=20):
+    """A stand-in for `vllm serve`'s OpenAI completions endpoint with vLLM's prompt_logprobs, in vLLM's documented
+    shape (list per prompt position of {"<id>": {"logprob", "rank", "decoded_token"}}, position 0 null; the top-K
+    plus the actual token). The log-probs are the float32 log-softmax of the teacher's logits on the unpadded
+    prompt. It is not vLLM: it checks our parser against the documented shape."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models_():
+        return {"object": "list", "data": [{"id": served, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    def completions(body: dict):
+        k = body["prompt_logprobs"]
+        if k > max_logprobs:
+            return JSONResponse({"object": "error", "message": f"Requested prompt logprobs of {k}, which is greater "
+                                 f"than max allowed: {max_logprobs}", "code": 400}, status_code=400)
+        choices = []
+        for i, prompt in enumerate(body["prompt"]):
+            with torch.no_grad():
+                lp = torch.log_softmax(teacher(torch.tensor([prompt])).logits[0].float(), -1)
+            rows = [None]
+            for t in range(1, len(prompt)):
+                dist = lp[t - 1]
+                order = torch.argsort(dist, descending=True, stable=True)
+                rank = torch.empty_like(order)
+                rank[order] = torch.arange(1, len(order) + 1)
+                entry = {str(int(j)): {"logprob": float(dist[j]), "rank": int(rank[j]), "decoded_token": "x"}
+                         for j in order[:k].tolist() + [prompt[t]]}
+                rows.append(entry)
+            choices.append({"index": i, "text": "x", "prompt_logprobs": rows, "finish_reason": "length"})
+        return {"id": "cmpl-1", "object": "text_completion", "model": served, "choices": choices}
+
+    return app
+
+
+@pytest.fixture()
+def fake_vllm(models):
+    import threading
+
+    import uvicorn
+
+    tmp, cfg, _ = models
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_vllm_app(load_model(cfg["model"]["teacher"]), max_logprobs=6),
+                                           host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_two_training_steps_through_a_vllm_style_endpoint(models, fake_vllm, in_process_run):
+    tmp, cfg, _ = models
+    c = dict(cfg, run_dir=str(tmp / "remote_vllm"))
+    c["train"] = dict(cfg["train"], steps=2)
+    c["eval"] = dict(cfg["eval"], num_prompts=0)
+    c["teacher"] = {"url": fake_vllm, "api": "vllm"}
+    run_training(load_config(base=c), quiet=True)
+    got = _losses(c["run_dir"])
+    assert [s for s, *_ in got] == [1, 2]
+    for (_, loss, gn), (_, ref, ref_gn) in zip(got, in_process_run):  # unpadded rows: equal to float rounding
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and abs(gn - ref_gn) <= 1e-4 * abs(ref_gn)
+
+
+def test_vllm_style_endpoint_errors_name_the_server_and_the_request(models, fake_vllm):
+    tmp, cfg, _ = models
+    from opdistill.engines.remote import VLLMPromptLogprobsTeacher
+
+    ids = torch.tensor([[1, 2, 3, 4, 0]])
+    am = torch.tensor([[1, 1, 1, 1, 0]])
+    rm = torch.tensor([[0, 0, 1, 1, 0]])
+    with VLLMPromptLogprobsTeacher(fake_vllm) as c:
+        assert c.check_student(None)["model"] == "the-teacher"
+        with pytest.raises(TeacherServiceError) as e:
+            c.score(ids, am, rm, k=8, what="step 3")
+        assert str(e.value) == (f"teacher.url={fake_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
+                                f"Requested prompt logprobs of 8, which is greater than max allowed: 6")
+        with pytest.raises(TeacherServiceError, match=r"rows must be right-padded"):
+            c.score(ids, torch.tensor([[0, 1, 1, 1, 1]]), rm, k=2)
+    with VLLMPromptLogprobsTeacher(fake_vllm, model="other") as c:
+        with pytest.raises(TeacherServiceError, match=r"teacher.model='other' is not served \(served: \['the-teacher'\]\)"):
+            c.check_student(None)

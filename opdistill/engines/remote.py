@@ -43,7 +43,8 @@ from opdistill import TeacherTopK
 from opdistill.errors import UserError
 from opdistill.teacher import TeacherScores, tokenizer_fingerprint
 
-__all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "TeacherServiceError", "RemoteTeacher", "ScoreResult",
+__all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "TeacherServiceError", "RemoteTeacher",
+           "VLLMPromptLogprobsTeacher", "ScoreResult",
            "scored_positions", "encode_result", "decode_result", "parse_accept", "INT8_LEVELS"]
 
 MEDIA_JSON = "application/json"
@@ -415,8 +416,94 @@ class RemoteTeacher:
 def _detail(resp) -> str:
     try:
         d = resp.json()
-        if isinstance(d, dict) and "detail" in d:
-            return " ".join(str(d["detail"]).split())[:500]
+        if isinstance(d, dict) and isinstance(d.get("error"), dict):  # OpenAI-style {"error": {"message": ...}}
+            d = d["error"]
+        for field in ("detail", "message"):
+            if isinstance(d, dict) and field in d:
+                return " ".join(str(d[field]).split())[:500]
     except ValueError:
         pass
     return " ".join(resp.text.split())[:500] or "(empty body)"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A stock `vllm serve` endpoint (OpenAI completions with vLLM's prompt_logprobs extension)
+
+class VLLMPromptLogprobsTeacher(RemoteTeacher):
+    """A client of a stock ``vllm serve`` OpenAI endpoint: ``POST /v1/completions`` with the rows' token ids as
+    prompts, ``max_tokens: 1`` and ``prompt_logprobs: K``; the answer's ``prompt_logprobs`` (per prompt position a
+    ``{"<id>": {"logprob", "rank", "decoded_token"}}`` dict, position 0 null) gives the top-K (entries of rank 1..K)
+    and the log-prob of each actual next token. Returns the same :class:`TeacherScores` as :meth:`RemoteTeacher.score`.
+
+    What this mode cannot do (docs/teacher_service.md): no check of the server's tokenizer against the student's
+    (vLLM's API does not expose a fingerprint; only the served model name is read from ``/v1/models``); no log-probs
+    at ids the client names; temperature is vLLM's business (its prompt log-probs are those of the raw model logits
+    in recent versions); K is capped by the server's ``--max-logprobs`` (20 by default); rows must be right-padded
+    (attention 1 on a prefix); the JSON answer is ~20x the size of our binary fp32 payload."""
+
+    def __init__(self, url: str, *, model: str | None = None, **kw):
+        kw.pop("payload", None)
+        super().__init__(url, payload="json", **kw)
+        self.model = model
+
+    def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
+        resp = self._request("GET", "/v1/models", "served models")
+        try:
+            ids = [m["id"] for m in resp.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise TeacherServiceError(f"{self.key}={self.url}: GET /v1/models answered no model list; is this a "
+                                      f"vllm serve endpoint?") from None
+        if self.model is None:
+            if not ids:
+                raise TeacherServiceError(f"{self.key}={self.url}: GET /v1/models lists no model")
+            self.model = ids[0]
+        elif self.model not in ids:
+            raise TeacherServiceError(f"{self.key}={self.url}: teacher.model={self.model!r} is not served (served: "
+                                      f"{ids})")
+        self.info = {"model": self.model, "served": ids}
+        return self.info
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+              k: int | None = None, sampled: bool = False, what: str = "") -> TeacherScores:
+        if k is None and not sampled:
+            raise ValueError("score: ask for top-k (k=...) or sampled-token scores (sampled=True)")
+        if self.model is None:
+            self.check_student(None)
+        B, S = input_ids.shape
+        what = what or f"{B} rows x {S} positions"
+        lengths = attention_mask.sum(1)
+        prefix = torch.arange(S)[None] < lengths[:, None]
+        if not torch.equal(prefix, attention_mask.bool()):
+            raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/completions ({what}): vLLM scores unpadded "
+                                      f"prompts, so rows must be right-padded (attention_mask 1 on a prefix)")
+        prompts = [input_ids[b, : int(lengths[b])].tolist() for b in range(B)]
+        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "prompt_logprobs": k or 0,
+                "temperature": 1.0}
+        resp = self._request("POST", "/v1/completions", what, json=body)
+        keep = scored_positions(response_mask)
+        ids = torch.zeros(B, S, k or 0, dtype=torch.long)
+        lp = torch.full((B, S, k or 0), float("-inf"))
+        samp = torch.zeros(B, S)
+        try:
+            choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+            if len(choices) != B:
+                raise ValueError(f"{len(choices)} choices for {B} prompts")
+            for b, choice in enumerate(choices):
+                pl = choice["prompt_logprobs"]
+                if len(pl) != len(prompts[b]):
+                    raise ValueError(f"prompt {b}: {len(pl)} prompt_logprobs for {len(prompts[b])} tokens")
+                for t in torch.nonzero(keep[b]).flatten().tolist():
+                    entry = {int(i): v for i, v in pl[t + 1].items()}
+                    samp[b, t] = float(entry[int(input_ids[b, t + 1])]["logprob"])
+                    if k:
+                        top = sorted((v["rank"], i, v["logprob"]) for i, v in entry.items()
+                                     if v.get("rank") is not None and v["rank"] <= k)
+                        if len(top) < k:
+                            raise ValueError(f"prompt {b}, position {t + 1}: {len(top)} entries of rank <= {k}")
+                        ids[b, t] = torch.tensor([i for _, i, _ in top[:k]])
+                        lp[b, t] = torch.tensor([float(v) for _, _, v in top[:k]])
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/completions ({what}) answered no usable "
+                                      f"prompt_logprobs ({type(e).__name__}: {e}); is this a vllm serve endpoint "
+                                      f"(teacher.api=vllm) with --max-logprobs >= {k}?") from None
+        return TeacherScores(TeacherTopK(ids, lp) if k else None, samp if sampled else None)

@@ -137,6 +137,8 @@ class TeacherServiceConfig(_Section):
     retries: int = Field(3, ge=0)  # retries after a failed try (connection, timeout, 5xx), backoff doubling
     backoff_s: float = Field(0.5, ge=0)  # wait before the first retry
     payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
+    api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
+    model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
 
     @model_validator(mode="after")
     def _url(self):

@@ -7,14 +7,15 @@
 from __future__ import annotations
 
 from opdistill.batch import shift_for_next_token
-from opdistill.engines.remote import RemoteTeacher
+from opdistill.engines.remote import RemoteTeacher, VLLMPromptLogprobsTeacher
 from opdistill.teacher import TeacherScores, score_teacher
 
 __all__ = ["connect_teacher", "score_rollouts"]
 
 
 def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
-    """The ``teacher.url`` client, its /info checked against the student (None when no url is set)."""
+    """The ``teacher.url`` client (``teacher.api``: our server, its /info checked against the student; or a stock
+    ``vllm serve`` endpoint), None when no url is set."""
     tc = cfg.teacher
     if tc.url is None:
         return None
@@ -25,8 +26,11 @@ def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
 
         raise ConfigError("teacher.url: the teacher client needs the serve extra (httpx is missing): "
                           "pip install 'opdistill[serve]'") from None
-    client = RemoteTeacher(tc.url, token_file=tc.token_file, timeout_s=tc.timeout_s, retries=tc.retries,
-                           backoff_s=tc.backoff_s, payload=tc.payload)
+    kw = dict(token_file=tc.token_file, timeout_s=tc.timeout_s, retries=tc.retries, backoff_s=tc.backoff_s)
+    if tc.api == "vllm":  # a stock `vllm serve` endpoint: prompt_logprobs (what it cannot do: docs/teacher_service.md)
+        client = VLLMPromptLogprobsTeacher(tc.url, model=tc.model, **kw)
+    else:
+        client = RemoteTeacher(tc.url, payload=tc.payload, **kw)
     try:
         client.check_student(tokenizer, student, k=cfg.loss.topk if cfg.loss.loss_mode == "topk" else None)
     except BaseException:
@@ -37,7 +41,7 @@ def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
 
 def score_rollouts(teacher, ro, loss_cfg, step: int) -> TeacherScores:
     """Teacher scores of a step's rollouts ``ro`` for the loss ``loss_cfg``, from ``teacher``: a model (in process)
-    or a :class:`RemoteTeacher`."""
+    or a :class:`RemoteTeacher` (our server or, as its subclass, a vLLM endpoint)."""
     topk = loss_cfg.topk if loss_cfg.loss_mode == "topk" else None
     sampled = loss_cfg.loss_mode == "sampled"
     if isinstance(teacher, RemoteTeacher):
