@@ -110,12 +110,20 @@ def _reference_logprobs(teacher, ids, am, temperature=1.0):
 
 # -- codecs ------------------------------------------------------------------------------------------------------------
 def _random_result(P=50, K=6, V=300, seed=0):
-    rng = np.random.default_rng(seed)
-    lp = -rng.exponential(3.0, (P, K)).astype(np.float32)
+    """Top-K of real distributions (log-softmax of random logits): top-k masses from ~0.3 to ~1 - 1e-6."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(P, V, generator=g, dtype=torch.float64) * torch.linspace(0.5, 12.0, P, dtype=torch.float64)[:, None]
+    full = torch.log_softmax(z, -1)
+    v, i = full.topk(K, -1)
+    lp = v.float().numpy().copy()
     lp[3, 4:] = -np.inf  # empty slots survive every codec
     lp[7, :] = -np.inf
-    nxt = -rng.exponential(1.0, P).astype(np.float32)
-    return ScoreResult(rng.integers(0, V, (P, K)), lp, nxt, -rng.exponential(2.0, (P, 3)).astype(np.float32), 1.0)
+    nxt = full[:, 0].float().numpy().copy()
+    return ScoreResult(i.numpy(), lp, nxt, full[:, :3].float().numpy().copy(), 1.0)
+
+
+def _tail(lp):
+    return 1 - np.exp(lp.astype(np.float64)).sum(1)
 
 
 @pytest.mark.parametrize("media,codec", [(MEDIA_JSON, "fp32"), (MEDIA_BINARY, "fp32")])
@@ -128,48 +136,57 @@ def test_exact_payloads_round_trip_bit_for_bit(media, codec):
         assert a.dtype == np.float32 and np.array_equal(a, b)
 
 
-def test_fp16_payload_rounds_down_within_2_to_minus_10_relative():
-    r = _random_result()
-    back = decode_result(encode_result(r, media=MEDIA_BINARY, codec="fp16", vocab_size=300), MEDIA_BINARY)
+def _decoded(codec, r=None):
+    r = r or _random_result()
+    body = encode_result(r, media=MEDIA_BINARY, codec=codec, vocab_size=300)
+    head = json.loads(body[8 : 8 + int.from_bytes(body[4:8], "little")])
+    return r, decode_result(body, MEDIA_BINARY), head
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_compressed_payloads_keep_the_tail_mass(codec):
+    """The decoded rows carry the teacher's tail mass (1 - top-k mass): its log to float16 precision (plus float32
+    rounding of the sum), however small it is; so a top-k mass is never above 1."""
+    r, back, _ = _decoded(codec)
+    fin = np.isfinite(r.topk_logprobs).any(1)
+    t_true, t_back = _tail(r.topk_logprobs)[fin], _tail(back.topk_logprobs)[fin]
+    assert t_true.min() < 1e-5  # the test holds near-certain teachers
+    assert (t_back >= -1e-6).all()
+    big = t_true > 1e-4  # where float32 sums can resolve the tail
+    rel = np.abs(np.log(t_back[big]) - np.log(t_true[big]))
+    assert rel.max() <= 2.0 ** -10 * np.abs(np.log(t_true[big])).max() + 1e-3
+
+
+def test_fp16_payload_error_within_its_bound():
+    r, back, _ = _decoded("fp16")
     fin = np.isfinite(r.topk_logprobs)
     assert np.array_equal(np.isfinite(back.topk_logprobs), fin)
-    diff = r.topk_logprobs[fin].astype(np.float64) - back.topk_logprobs[fin]
-    assert (diff >= 0).all()  # never above the teacher's value: a top-k mass never grows
-    rel = diff / np.abs(r.topk_logprobs[fin])
-    assert rel.max() < 2.0 ** -10 and rel.max() > 2.0 ** -12
+    err = np.abs(r.topk_logprobs[fin].astype(np.float64) - back.topk_logprobs[fin])
+    # rounding down (< 2^-10 relative) then one shift per row restoring the mass (< the row's largest such error)
+    lp = np.where(fin, np.abs(r.topk_logprobs.astype(np.float64)), 0)
+    bound = np.broadcast_to((2.0 ** -10 * lp.max(1))[:, None], lp.shape)[fin] + 2.0 ** -10 * lp[fin] + 1e-6
+    assert (err <= bound).all() and err.max() > 0
+    rel = (r.next_logprobs.astype(np.float64) - back.next_logprobs) / np.abs(r.next_logprobs)
+    assert (rel >= 0).all() and rel.max() < 2.0 ** -10  # single values: rounded down only
 
 
 def test_int8_payload_error_within_the_stated_bound():
-    r = _random_result()
-    body = encode_result(r, media=MEDIA_BINARY, codec="int8", vocab_size=300)
-    head = json.loads(body[8 : 8 + int.from_bytes(body[4:8], "little")])
-    back = decode_result(body, MEDIA_BINARY)
+    r, back, head = _decoded("int8")
     fin = np.isfinite(r.topk_logprobs)
     assert np.array_equal(np.isfinite(back.topk_logprobs), fin)
-    diff = r.topk_logprobs[fin].astype(np.float64) - back.topk_logprobs[fin]
-    assert (diff >= -1e-6).all()  # never above the teacher's value (to float32 rounding): a top-k mass never grows
+    err = np.abs(r.topk_logprobs[fin].astype(np.float64) - back.topk_logprobs[fin])
     lp = r.topk_logprobs.astype(np.float64)
     top = np.where(fin, lp, -np.inf).max(axis=1)
     top = np.where(np.isfinite(top), top, 0.0)
     span = np.where(fin.any(axis=1), top - np.where(fin, lp, np.inf).min(axis=1), 0.0)
-    # per position: < step + the float16 rounding of top, step = range / 254 rounded up to float16
-    bound = (span + 2.0 ** -10 * np.abs(top)) * (1 + 2.0 ** -10) / 254 + 2.0 ** -10 * np.abs(top) + 1e-6
-    per_pos = np.broadcast_to(bound[:, None], lp.shape)[fin]
-    assert (diff <= per_pos).all() and diff.max() > 0
-    assert diff.max() <= head["int8_max_abs_error"] + 1e-6
-    # the next-token log-prob travels as float16
+    # per position: < step + the float16 rounding of top (step = range / 254 rounded up to float16), then the
+    # mass-restoring shift, itself < that row's bound
+    bound = (span + 2.0 ** -10 * np.abs(top)) * (1 + 2.0 ** -10) / 254 + 2.0 ** -10 * np.abs(top)
+    per_pos = np.broadcast_to(2 * bound[:, None] + 1e-6, lp.shape)[fin]
+    assert (err <= per_pos).all() and err.max() > 0
+    assert err.max() <= 2 * head["int8_max_abs_error"] + 1e-6
     rel = (r.next_logprobs.astype(np.float64) - back.next_logprobs) / np.abs(r.next_logprobs)
-    assert (rel >= 0).all() and rel.max() < 2.0 ** -10
-
-
-def test_compressed_payloads_never_grow_a_near_one_mass():
-    """A confident teacher (top-k mass 1 - 1e-7): the decoded mass stays <= 1 for fp16 and int8."""
-    lp = np.log(np.array([[0.999, 0.0009, 0.0000999, 0.0000001 - 1e-9]], dtype=np.float64)).astype(np.float32)
-    lp = np.repeat(lp, 4, 0)
-    r = ScoreResult(np.tile(np.arange(4), (4, 1)), lp, lp[:, 0].copy(), None, 1.0)
-    for codec in ("fp16", "int8"):
-        back = decode_result(encode_result(r, media=MEDIA_BINARY, codec=codec, vocab_size=300), MEDIA_BINARY)
-        assert (np.exp(back.topk_logprobs.astype(np.float64)).sum(1) <= np.exp(lp.astype(np.float64)).sum(1)).all()
+    assert (rel >= 0).all() and rel.max() < 2.0 ** -10  # the next-token log-prob travels as float16
 
 
 def test_ids_are_16_bit_when_the_vocabulary_fits():
@@ -220,6 +237,23 @@ def test_scores_equal_the_in_process_teacher(models, server, tmp_path):
     # and against the definition (float64 log-softmax of the model's logits)
     lp64 = _reference_logprobs(teacher, ids, am)
     assert torch.allclose(s.topk.logprobs[keep].double(), lp64[keep].gather(-1, s.topk.ids[keep]), atol=1e-5)
+
+
+def test_rows_above_the_request_limit_go_in_several_requests(models, server):
+    tmp, cfg, token_file = models
+    teacher = load_model(cfg["model"]["teacher"])
+    ids, am, rm = _rows(seed=2, B=5, V=teacher.config.vocab_size)
+    keep = _keep(rm)
+    with RemoteTeacher(server, token_file=str(token_file)) as c:
+        whole = c.score(ids, am, rm, k=4, sampled=True)
+        c.fetch_info()
+        c.info["max_request_tokens"] = 2 * ids.shape[1]  # as if the server took 2 rows per request
+        before = c.requests
+        split = c.score(ids, am, rm, k=4, sampled=True)
+        assert c.requests - before == 3
+    assert torch.equal(split.topk.ids, whole.topk.ids)
+    assert torch.allclose(split.topk.logprobs[keep], whole.topk.logprobs[keep], atol=1e-5)
+    assert torch.allclose(split.sampled_logprobs, whole.sampled_logprobs, atol=1e-5)
 
 
 def test_requested_ids_and_temperature(models, server):
@@ -367,8 +401,10 @@ def in_process_run(models):
     return _losses(c["run_dir"])
 
 
-# measured on this test's runs: fp16 ~1e-5, int8 ~1e-3 relative (docs/performance.md); the bounds leave headroom
-LOSS_REL_BOUND = {"fp32": 0.0, "json": 0.0, "fp16": 1e-3, "int8": 2e-2}
+# Step 1 differs from the in-process run by the payload's rounding only (measured: fp16 3.0e-4, int8 7.5e-4
+# relative); step 2 also by one update taken on those scores (measured: fp16 4.3e-3). Bounds with headroom; the
+# same numbers are in docs/teacher_service.md.
+LOSS_REL_BOUND = {"fp32": (0.0, 0.0), "json": (0.0, 0.0), "fp16": (2e-3, 2e-2), "int8": (5e-3, 2e-2)}
 
 
 @pytest.mark.parametrize("payload", ["fp32", "json", "fp16", "int8"])
@@ -381,11 +417,11 @@ def test_two_training_steps_through_the_server(models, server, in_process_run, p
     run_training(load_config(base=c), quiet=True)
     got = _losses(c["run_dir"])
     assert [s for s, *_ in got] == [1, 2]
-    if LOSS_REL_BOUND[payload] == 0.0:
+    if LOSS_REL_BOUND[payload] == (0.0, 0.0):
         assert got == in_process_run  # bit for bit: losses and gradient norms
     else:
-        for (_, loss, _), (_, ref, _) in zip(got, in_process_run):
-            assert abs(loss - ref) <= LOSS_REL_BOUND[payload] * abs(ref)
+        for (_, loss, _), (_, ref, _), bound in zip(got, in_process_run, LOSS_REL_BOUND[payload]):
+            assert abs(loss - ref) <= bound * abs(ref)
 
 
 def test_server_killed_mid_run_then_the_run_resumes(models, in_process_run, tmp_path):

@@ -21,6 +21,11 @@ Design notes
   value) / 254``; value = top - q * s for q in 0..254 and q = 255 for -inf, so every finite value is decoded below
   the sent one by < s + 2^-10 |top| (the header states the largest such bound in the payload as
   ``int8_max_abs_error``). With int8 the next-token log-prob (one value per position) travels as float16.
+  Both compressed payloads also send, per position, the log of the teacher's tail mass (1 - top-k mass, float16);
+  the client shifts each decoded top-k row by one constant so that its mass is exactly the sent one. The tail bucket
+  of the tail losses is then the teacher's (its log to float16 precision) however small it is -- rounding the
+  values alone moves a 1e-6 tail by orders of magnitude -- and a top-k mass is never above 1. The shift is below
+  the row's largest rounding error, so a decoded top-k log-prob is within twice the bounds above.
 - The client retries connection failures, timeouts and 5xx answers with exponential backoff and then raises
   :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming
   the server and the request. A 4xx answer is not retried: its message comes back in the error.
@@ -155,6 +160,26 @@ def _int8_encode(x: np.ndarray):
     return q, top, step, bound
 
 
+def _log_tail(x: np.ndarray) -> np.ndarray:
+    """log(1 - sum(exp(x))) per row (float64 sum; -inf where the top-k holds all the mass)."""
+    mass = np.exp(x.astype(np.float64)).sum(axis=1)
+    with np.errstate(divide="ignore"):
+        return np.log(np.clip(1.0 - mass, 0.0, 1.0))
+
+
+def _restore_mass(x: np.ndarray, log_tail: np.ndarray) -> np.ndarray:
+    """Shift each decoded row by log(c) so that its mass is the sent 1 - exp(log_tail): the tail bucket the loss
+    computes from the top-k is then the teacher's to float16 precision of its log (rounding of the individual values
+    would otherwise move a tiny tail mass by orders of magnitude), and the mass is never above 1."""
+    x64 = x.astype(np.float64)
+    mass = np.exp(x64).sum(axis=1)
+    target = 1.0 - np.exp(log_tail)
+    ok = (mass > 0) & (target > 0) & np.isfinite(log_tail)  # no tail sent (mass >= 1): leave the row as decoded
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shift = np.where(ok, np.log(np.where(ok, target, 1.0) / np.where(ok, mass, 1.0)), 0.0)
+    return (x64 + shift[:, None]).astype(np.float32)
+
+
 def _int8_decode(q: np.ndarray, top: np.ndarray, step: np.ndarray) -> np.ndarray:
     x = top[:, None].astype(np.float32) - q.astype(np.float32) * step.astype(np.float32)[:, None]
     return np.where(q == 255, np.float32(-np.inf), x).astype(np.float32)
@@ -197,6 +222,8 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
     if r.topk_ids is not None:
         arrays.append(("topk_ids", r.topk_ids.astype(id_dtype)))
         add_logprobs("topk_logprobs", r.topk_logprobs)
+        if codec != "fp32":  # the log of the tail mass (1 - top-k mass), so the client restores the exact mass
+            arrays.append(("topk_log_tail", _log_tail(r.topk_logprobs).astype("<f2")))
     if r.requested_logprobs is not None:
         add_logprobs("requested_logprobs", r.requested_logprobs)
     if codec == "int8":
@@ -255,7 +282,10 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
         return arrays[name].astype(np.float32) if name in arrays else None
 
     ids = arrays["topk_ids"].astype(np.int64) if "topk_ids" in arrays else None
-    return ScoreResult(ids, get_lp("topk_logprobs"), get_lp("next_logprobs").reshape(-1), get_lp("requested_logprobs"),
+    topk_lp = get_lp("topk_logprobs")
+    if topk_lp is not None and "topk_log_tail" in arrays:
+        topk_lp = _restore_mass(topk_lp, arrays["topk_log_tail"].astype(np.float64))
+    return ScoreResult(ids, topk_lp, get_lp("next_logprobs").reshape(-1), get_lp("requested_logprobs"),
                        float(head["temperature"]), str(head.get("model", "")))
 
 
@@ -396,9 +426,18 @@ class RemoteTeacher:
         where nothing is scored) and/or the next-token log-prob ``[B, S]`` (0 where nothing is scored)."""
         if k is None and not sampled:
             raise ValueError("RemoteTeacher.score: ask for top-k (k=...) or sampled-token scores (sampled=True)")
+        B, S = input_ids.shape
+        limit = (self.info or {}).get("max_request_tokens")
+        if limit and B * S > limit and B > 1:  # above the server's per-request limit: rows in several requests
+            rows = max(1, limit // S)
+            parts = [self.score(input_ids[r0 : r0 + rows], attention_mask[r0 : r0 + rows],
+                                response_mask[r0 : r0 + rows], k=k, sampled=sampled,
+                                what=f"{what or 'rows'} [rows {r0}:{min(r0 + rows, B)}]") for r0 in range(0, B, rows)]
+            return TeacherScores(
+                TeacherTopK(torch.cat([p.topk.ids for p in parts]), torch.cat([p.topk.logprobs for p in parts]))
+                if k else None, torch.cat([p.sampled_logprobs for p in parts]) if sampled else None)
         r = self.score_positions(input_ids, attention_mask, response_mask, k=k, what=what)
         keep = scored_positions(response_mask)
-        B, S = input_ids.shape
         topk = None
         if k:
             ids = torch.zeros(B, S, k, dtype=torch.long)

@@ -15,7 +15,7 @@ import torch
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, MetricSums, shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import score_teacher
+from opdistill.train.remote_teacher import score_rows
 
 __all__ = ["evaluate"]
 
@@ -41,7 +41,8 @@ def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher
     out["eval/response_len"] = float(mask.sum()) / len(problems)
     if teacher is None:
         return out
-    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets)
+    scores = score_rows(teacher, s.input_ids, s.attention_mask, s.response_mask, k=topk, sampled=True,
+                        what="evaluation")  # in process, or the teacher.url server
     m = mask.bool()
     k1 = (s.sampler_logprobs - scores.sampled_logprobs)  # [B, S]; sampler log-probs are the student's at temperature
     out["eval/teacher_kl"] = float(k1[m].sum()) / max(int(m.sum()), 1)

@@ -276,7 +276,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
 
-        evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
+        evaluate_now = functools.partial(run_eval, cfg, tok, student, remote or teacher, task, held_out)
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
 

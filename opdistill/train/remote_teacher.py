@@ -10,7 +10,7 @@ from opdistill.batch import shift_for_next_token
 from opdistill.engines.remote import RemoteTeacher, VLLMPromptLogprobsTeacher
 from opdistill.teacher import TeacherScores, score_teacher
 
-__all__ = ["connect_teacher", "score_rollouts"]
+__all__ = ["connect_teacher", "score_rows", "score_rollouts"]
 
 
 def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
@@ -39,13 +39,20 @@ def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
     return client
 
 
-def score_rollouts(teacher, ro, loss_cfg, step: int) -> TeacherScores:
-    """Teacher scores of a step's rollouts ``ro`` for the loss ``loss_cfg``, from ``teacher``: a model (in process)
-    or a :class:`RemoteTeacher` (our server or, as its subclass, a vLLM endpoint)."""
-    topk = loss_cfg.topk if loss_cfg.loss_mode == "topk" else None
-    sampled = loss_cfg.loss_mode == "sampled"
+def score_rows(teacher, input_ids, attention_mask, response_mask, *, k: int | None, sampled: bool,
+               what: str = "") -> TeacherScores:
+    """Teacher top-k (``k``) and/or next-token log-probs of padded rows, from ``teacher``: a model (in process) or a
+    :class:`RemoteTeacher` (our server or, as its subclass, a vLLM endpoint); the same TeacherScores either way."""
     if isinstance(teacher, RemoteTeacher):
-        return teacher.score(ro.input_ids, ro.attention_mask, ro.response_mask, k=topk, sampled=sampled,
-                             what=f"step {step}: {ro.input_ids.shape[0]} rows x {ro.input_ids.shape[1]} positions")
-    targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
-    return score_teacher(teacher, ro.input_ids, ro.attention_mask, k=topk, sampled_ids=targets if sampled else None)
+        return teacher.score(input_ids, attention_mask, response_mask, k=k, sampled=sampled,
+                             what=what or f"{input_ids.shape[0]} rows x {input_ids.shape[1]} positions")
+    targets, _ = shift_for_next_token(input_ids, response_mask)
+    return score_teacher(teacher, input_ids, attention_mask, k=k, sampled_ids=targets if sampled else None)
+
+
+def score_rollouts(teacher, ro, loss_cfg, step: int) -> TeacherScores:
+    """Teacher scores of a step's rollouts ``ro`` for the loss ``loss_cfg`` (see :func:`score_rows`)."""
+    return score_rows(teacher, ro.input_ids, ro.attention_mask, ro.response_mask,
+                      k=loss_cfg.topk if loss_cfg.loss_mode == "topk" else None,
+                      sampled=loss_cfg.loss_mode == "sampled",
+                      what=f"step {step}: {ro.input_ids.shape[0]} rows x {ro.input_ids.shape[1]} positions")
