@@ -29,7 +29,7 @@ from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import TeacherCacheError, load_cache, score_teacher
+from opdistill.teacher import TeacherCacheError, load_cache
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
