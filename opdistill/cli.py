@@ -1,4 +1,4 @@
-"""Command line: ``opdistill train | demo | eval | compare | plot | score | export`` (``--help`` on each)."""
+"""Command line: ``opdistill train | demo | eval | compare | plot | score | export | serve-teacher`` (``--help`` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -139,6 +139,20 @@ def _cmd_export(args):
     from opdistill.train.export import export_run
 
     print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint)}")
+def _cmd_serve_teacher(args):
+    if args.engine != "hf":
+        raise UserError(f"--engine {args.engine}: serve-teacher scores with the hf engine only in this version; "
+                        f"use --engine hf (the default)")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"serve-teacher needs the serve extra ({e.name} is missing): pip install 'opdistill[serve]'")
+    from opdistill.serve import serve
+
+    serve(args.model, host=args.host, port=args.port, token_file=args.token_file,
+          max_batch_tokens=args.max_batch_tokens, max_request_tokens=args.max_request_tokens, max_k=args.max_k,
+          dtype=args.dtype, trust_remote_code=args.trust_remote_code, threads=args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +236,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'latest' (the newest intact checkpoint, default) or a checkpoint folder")
     x.add_argument("--out", required=True, help="output folder (new, or empty)")
     x.set_defaults(fn=_cmd_export)
+    st = sub.add_parser("serve-teacher", help="serve a teacher's scores over HTTP (trainers use teacher.url)",
+                        description="Score rows for remote trainers: GET /health, GET /info, POST /v1/score (JSON "
+                                    "or the compact binary payload). Binds 127.0.0.1 unless told; any other address "
+                                    "needs --token-file. See docs/teacher_service.md.")
+    st.add_argument("--model", required=True, help="teacher model folder (or builtin:demo-teacher)")
+    st.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="scoring engine (only hf for now)")
+    st.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    st.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    st.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
+    st.add_argument("--max-batch-tokens", type=int, default=65536,
+                    help="merge concurrent requests up to this many rows x positions (default 65536)")
+    st.add_argument("--max-request-tokens", type=int, default=262144,
+                    help="refuse (413) a request above this many rows x positions (default 262144)")
+    st.add_argument("--max-k", type=int, default=64, help="largest top-K a client may ask (default 64)")
+    st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    st.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off)")
+    st.set_defaults(fn=_cmd_serve_teacher)
     return p
 
 

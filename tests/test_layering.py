@@ -14,7 +14,7 @@ LAYERS = [
     ["opdistill.loss.distillation"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
     ["opdistill.models", "opdistill.data", "opdistill.engines", "opdistill.rollout", "opdistill.teacher"],
-    ["opdistill.train"],
+    ["opdistill.train", "opdistill.serve"],
     ["opdistill.demo"],
     ["opdistill.cli", "opdistill.__main__"],
 ]

@@ -27,8 +27,8 @@ from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TrainerConfig", "load_config",
-           "apply_overrides", "config_to_dict"]
+           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherServiceConfig", "TrainerConfig",
+           "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
 SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
@@ -188,6 +188,26 @@ class DistributedConfig(_Section):
     tp_size: int = Field(1, ge=1, le=1)  # tensor (vocab) parallel size of the student's lm_head: only 1 for now
 
 
+class TeacherServiceConfig(_Section):
+    """A remote teacher (``opdistill serve-teacher``; docs/teacher_service.md): with ``url`` set, on-policy steps are
+    scored by the server instead of an in-process teacher (model.teacher is then not loaded)."""
+
+    url: Optional[str] = None  # http(s)://host:port of an `opdistill serve-teacher` server (TLS by the scheme)
+    token_file: Optional[str] = None  # file holding the server's bearer token
+    timeout_s: float = Field(120.0, gt=0)  # per request
+    retries: int = Field(3, ge=0)  # retries after a failed try (connection, timeout, 5xx), backoff doubling
+    backoff_s: float = Field(0.5, ge=0)  # wait before the first retry
+    payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
+    api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
+    model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
+
+    @model_validator(mode="after")
+    def _url(self):
+        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
+            raise ConfigError(f"teacher.url: expected http://host:port or https://host:port, got {self.url!r}")
+        return self
+
+
 class TrainerConfig(_Section):
     run_dir: str = "runs/run"
     model: ModelConfig = ModelConfig()
@@ -200,6 +220,7 @@ class TrainerConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
+    teacher: TeacherServiceConfig = TeacherServiceConfig()
 
     @model_validator(mode="after")
     def _rules(self):
@@ -214,7 +235,8 @@ class TrainerConfig(_Section):
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
                  self.rollout.n)
         else:
-            need(bool(self.model.teacher), "model.teacher", f"a model folder for method {method}", self.model.teacher)
+            need(bool(self.model.teacher) or self.teacher.url is not None, "model.teacher",
+                 f"a model folder (or teacher.url) for method {method}", self.model.teacher)
             need(lc.loss_mode != "full", "loss.loss_mode", "topk or sampled in the trainer (full needs the teacher's "
                  "[tokens, vocab] logits at every step, which the trainer does not keep)", lc.loss_mode)
             need(lc.loss_mode != "topk" or lc.topk is not None, "loss.topk",
@@ -223,6 +245,9 @@ class TrainerConfig(_Section):
             # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
             need(not lc.use_policy_gradient and not lc.use_task_rewards, "loss.use_policy_gradient",
                  "false (and loss.use_task_rewards false) for method off_policy", lc.use_policy_gradient)
+        if self.teacher.url is not None:
+            need(method == "on_policy", "teacher.url", "set only with train.method on_policy (off_policy samples are "
+                 "written by an in-process teacher; rl has no teacher)", self.teacher.url)
         if self.data.teacher_cache is not None:
             need(method == "off_policy", "data.teacher_cache",
                  "set only with train.method off_policy (on-policy samples cannot come from a cache)",

@@ -34,8 +34,8 @@ from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import score_teacher
 from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
+from opdistill.train.remote_teacher import score_rows
 
 __all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "gather_values", "summarize", "nest_intervals"]
 
@@ -140,12 +140,13 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     correct = torch.tensor([float(task.score(problems[i], t)) for i, t in zip(idx, s.texts)])
     vals.samples = _per_problem(torch.ones(s.num_rows), idx, P)
     vals.sampled_correct = _per_problem(correct, idx, P)
-    targets, mask = shift_for_next_token(s.input_ids, s.response_mask)
+    _, mask = shift_for_next_token(s.input_ids, s.response_mask)
     m = mask.bool()
     vals.tokens = _per_problem(m.sum(-1), idx, P)
     if teacher is None:
         return vals
-    scores = score_teacher(teacher, s.input_ids, s.attention_mask, k=topk, sampled_ids=targets, positions=mask)
+    scores = score_rows(teacher, s.input_ids, s.attention_mask, s.response_mask, k=topk, sampled=True,
+                        what="evaluation")  # in process, or the teacher.url server
     # log r = log nu - log pi at the sampled token (sampler log-probs are the student's at the eval temperature)
     log_r = (scores.sampled_logprobs.double() - s.sampler_logprobs.double())
     k1 = torch.where(m, -log_r, 0.0)

@@ -32,7 +32,7 @@ from opdistill.fused import check_lm_head
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
 from opdistill.rollout import generate_rollouts
-from opdistill.teacher import TeacherCacheError, load_cache, score_teacher
+from opdistill.teacher import TeacherCacheError, load_cache
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, init_distributed, wrap_student
@@ -43,6 +43,7 @@ from opdistill.train.optim import build_optimizer
 from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, open_run_dir
 from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models
+from opdistill.train.remote_teacher import connect_teacher, score_rollouts
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -82,7 +83,7 @@ def load_models(cfg: TrainerConfig):
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
-    if mc.teacher and mc.teacher != SELF:
+    if mc.teacher and mc.teacher != SELF and cfg.teacher.url is None:  # teacher.url: the server scores
         teacher_path = resolve_model_path(mc.teacher)
         teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
                              attn_implementation=mc.attn_implementation)
@@ -172,11 +173,7 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
-        targets, scored = shift_for_next_token(ro.input_ids, ro.response_mask)
-        lc = cfg.loss
-        scores = score_teacher(teacher, ro.input_ids, ro.attention_mask,
-                               k=lc.topk if lc.loss_mode == "topk" else None,
-                               sampled_ids=targets if lc.loss_mode == "sampled" else None, positions=scored)
+        scores = score_rollouts(teacher, ro, cfg.loss, step)  # in process, or the teacher.url server
         data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
@@ -294,6 +291,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         tok, student, teacher = models if models is not None else load_models(cfg)
         task = build_task(cfg)
         check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
+        remote = connect_teacher(cfg, tok, student)  # teacher.url: the server, checked against the student
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
         if cfg.train.gradient_checkpointing:
@@ -321,7 +319,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
             if ctx.is_main else NullLogger()
 
         def evaluate_now() -> dict:
-            return run_eval(cfg, tok, ctx.rollout_model(student), teacher, task, held_out, ctx)
+            return run_eval(cfg, tok, ctx.rollout_model(student), remote or teacher, task, held_out, ctx)
 
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.group)
@@ -334,8 +332,8 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                     break
                 state.step += 1
                 t0 = time.perf_counter()
-                data, metrics = _collect(cfg, state.step, tok, ctx.rollout_model(student), teacher, task, source,
-                                         cache, ctx)
+                data, metrics = _collect(cfg, state.step, tok, ctx.rollout_model(student), remote or teacher, task,
+                                         source, cache, ctx)
                 t1 = time.perf_counter()
                 metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
@@ -368,5 +366,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                 state.last_save = state.step
         finally:
             logger.close()
+            if remote is not None:
+                remote.close()
     return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
             "final_eval": state.eval_history[-1] if state.eval_history else {}}

@@ -48,6 +48,11 @@ RESUMABLE_KEYS = (
     "log.*",
     "checkpoint.*",
     "distributed.*",  # how the run is laid out over processes, not what it computes (same run at any world size)
+    "teacher.url",  # the teacher server moved (the client checks its /info against the student at start)
+    "teacher.token_file",
+    "teacher.timeout_s",
+    "teacher.retries",
+    "teacher.backoff_s",
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).

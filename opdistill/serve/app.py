@@ -1,0 +1,398 @@
+"""The teacher server: an ASGI app (FastAPI) that scores rows with an in-process teacher, batching concurrent requests.
+
+Design notes
+- ``GET /health`` (no token needed): ``{"status": "ok"}``. ``GET /info``: the model id, the teacher fingerprint and
+  the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teacher``), vocabulary
+  width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids": [B][S],
+  "attention_mask": [B][S], "response_mask": [B][S], "k": K or null, "temperature": 1.0, "requested_ids": [P][J]
+  (optional)}``; the answer (JSON or binary by the Accept header, ``opdistill.engines.remote``) holds, at each
+  scored position (``response_mask[b, t + 1] == 1``, row-major), the top-K ids and log-probs, the next token's
+  log-prob and the log-probs at the requested ids, at the request's temperature (echoed).
+- Exactness: at temperature 1 the top-k and next-token log-probs come from :func:`opdistill.teacher.score_teacher`
+  on the very tensors the client sent, so a request scored alone gets the in-process teacher's numbers bit for bit.
+  Requested ids and other temperatures go through one more pass (backbone, then the lm_head at the scored positions
+  only).
+- Batching: requests wait on an asyncio queue; a worker takes the first and merges the waiting ones with the same
+  K, temperature and requested-id width while the merged rows stay within ``max_batch_tokens`` (rows x padded
+  length), pads them on the right to one length (attention 0, response 0), runs the forward in one worker thread
+  and splits the answer back. A merged request's numbers equal the alone ones up to float rounding of the batched
+  matmuls (tested to 1e-5).
+- Safety: binds 127.0.0.1 by default and refuses to start on any other address without a bearer token; the token is
+  compared in constant time; bodies above ``max_body_bytes`` and requests above ``max_request_tokens`` get 413; a
+  malformed request gets 400/422 with a one-line message and the server keeps serving; the body is parsed as JSON
+  only (nothing is unpickled; weights load from safetensors only); ``trust_remote_code`` only when asked.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from opdistill.engines.remote import MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, parse_accept, scored_positions
+from opdistill.errors import UserError
+from opdistill.fused import backbone_of, read_lm_head
+from opdistill.teacher import score_teacher, teacher_fingerprint, tokenizer_fingerprint
+
+__all__ = ["TeacherService", "ServeError", "create_app", "score_rows", "LOOPBACK_HOSTS", "check_bind"]
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class ServeError(UserError, ValueError):
+    """The server cannot start as asked (an open bind without a token, an unreadable token file, a bad limit)."""
+
+    kind = "serve error"
+
+
+def check_bind(host: str, token: str | None) -> None:
+    if host not in LOOPBACK_HOSTS and not token:
+        raise ServeError(f"--host {host}: binding to a non-loopback address needs a bearer token; pass --token-file "
+                         f"FILE (clients send it as 'Authorization: Bearer ...'), or bind 127.0.0.1")
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+@torch.no_grad()
+def score_rows(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+               k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
+               row_chunk: int = 64, token_chunk: int = 2048) -> ScoreResult:
+    """Scores at the scored positions (``response_mask[b, t + 1] == 1``, row-major)."""
+    keep = scored_positions(response_mask)
+    targets = torch.zeros_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    P = int(keep.sum())
+    topk_ids = topk_lp = req = None
+    nxt = None
+    if temperature == 1.0:
+        s = score_teacher(teacher, input_ids, attention_mask, k=k, sampled_ids=targets)
+        nxt = s.sampled_logprobs[keep].numpy()
+        if k:
+            topk_ids, topk_lp = s.topk.ids[keep].numpy(), s.topk.logprobs[keep].numpy()
+    if temperature != 1.0 or requested_ids is not None:
+        head = read_lm_head(teacher)
+        backbone = backbone_of(teacher)
+        dev = teacher.device
+        hidden = []
+        was_training = teacher.training
+        teacher.eval()
+        try:
+            for r0 in range(0, input_ids.shape[0], row_chunk):
+                h = backbone(input_ids=input_ids[r0 : r0 + row_chunk].to(dev),
+                             attention_mask=attention_mask[r0 : r0 + row_chunk].to(dev)).last_hidden_state
+                hidden.append(h[keep[r0 : r0 + row_chunk].to(dev)])
+        finally:
+            teacher.train(was_training)
+        flat = torch.cat(hidden) if hidden else torch.zeros(0, 1)
+        tg = targets[keep]
+        n_lp = torch.zeros(P)
+        t_ids = torch.zeros(P, k or 0, dtype=torch.long)
+        t_lp = torch.zeros(P, k or 0)
+        r_lp = torch.zeros(P, requested_ids.shape[1]) if requested_ids is not None else None
+        for t0 in range(0, P, token_chunk):
+            z = head.logits(flat[t0 : t0 + token_chunk]) / temperature
+            lp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+            n_lp[t0 : t0 + z.shape[0]] = lp.gather(-1, tg[t0 : t0 + z.shape[0], None].to(dev)).squeeze(-1).cpu()
+            if k:
+                v, i = lp.topk(k, dim=-1)
+                t_ids[t0 : t0 + z.shape[0]], t_lp[t0 : t0 + z.shape[0]] = i.cpu(), v.cpu()
+            if r_lp is not None:
+                r_lp[t0 : t0 + z.shape[0]] = lp.gather(-1, requested_ids[t0 : t0 + z.shape[0]].to(dev)).cpu()
+        if temperature != 1.0:
+            nxt = n_lp.numpy()
+            if k:
+                topk_ids, topk_lp = t_ids.numpy(), t_lp.numpy()
+        if r_lp is not None:
+            req = r_lp.numpy()
+    return ScoreResult(topk_ids, topk_lp, nxt, req, float(temperature))
+
+
+@dataclass
+class _Job:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    k: int | None
+    temperature: float
+    requested_ids: torch.Tensor | None
+    future: asyncio.Future = field(repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def group(self):
+        return (self.k, self.temperature, None if self.requested_ids is None else self.requested_ids.shape[1])
+
+
+class TeacherService:
+    """A loaded teacher and what ``/info`` says about it."""
+
+    def __init__(self, teacher, tokenizer, *, model_id: str, max_k: int = 64, max_requested_ids: int = 256):
+        self.teacher = teacher
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.vocab_size = int(read_lm_head(teacher).weight.shape[0])
+        self.max_k = min(max_k, self.vocab_size)
+        self.max_requested_ids = max_requested_ids
+        self.info = {"model": model_id, **teacher_fingerprint(teacher), **tokenizer_fingerprint(tokenizer),
+                     "vocab_size": self.vocab_size, "max_k": self.max_k, "max_requested_ids": max_requested_ids,
+                     "dtype": str(next(teacher.parameters()).dtype).removeprefix("torch.")}
+
+
+def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
+    x = body.get(name)
+    if not isinstance(x, list) or not x or not all(isinstance(r, list) for r in x):
+        raise BadRequest(400, f"{name}: expected a non-empty list of lists of integers")
+    width = len(x[0])
+    if any(len(r) != width for r in x):
+        raise BadRequest(400, f"{name}: rows of different lengths (pad the rows to one length, attention_mask 0 "
+                              f"on the padding)")
+    if width == 0:
+        raise BadRequest(400, f"{name}: rows are empty")
+    try:
+        t = torch.tensor(x, dtype=torch.long)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise BadRequest(400, f"{name}: expected integers only") from None
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in x[0]):  # torch accepts floats/bools: refuse them
+        raise BadRequest(400, f"{name}: expected integers only")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise BadRequest(400, f"{name}: shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - {"input_ids", "attention_mask", "response_mask", "k", "temperature",
+                                  "requested_ids"})
+    if unknown:
+        raise BadRequest(400, f"unknown fields {unknown}")
+    ids = _int_matrix(body, "input_ids")
+    if ids.numel() > max_request_tokens:
+        raise BadRequest(413, f"input_ids: {ids.shape[0]} rows x {ids.shape[1]} positions = {ids.numel()} tokens, "
+                              f"above this server's limit of {max_request_tokens} per request; send fewer rows")
+    am = _int_matrix(body, "attention_mask", ids.shape)
+    rm = _int_matrix(body, "response_mask", ids.shape)
+    V = svc.vocab_size
+    if bool(((ids < 0) | (ids >= V)).any()):
+        raise BadRequest(422, f"input_ids: ids must lie in [0, {V}) (the teacher's vocabulary)")
+    for name, m in (("attention_mask", am), ("response_mask", rm)):
+        if bool(((m != 0) & (m != 1)).any()):
+            raise BadRequest(422, f"{name}: expected only 0 and 1")
+    if bool(((rm == 1) & (am == 0)).any()):
+        raise BadRequest(422, "response_mask: a response token must be attended (attention_mask 1 there)")
+    k = body.get("k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= svc.max_k):
+        raise BadRequest(422, f"k: expected an integer in [1, {svc.max_k}] or null, got {k!r}")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise BadRequest(422, f"temperature: expected a finite number > 0, got {temperature!r}")
+    P = int(scored_positions(rm).sum())
+    req = None
+    if body.get("requested_ids") is not None:
+        if P == 0:
+            raise BadRequest(422, "requested_ids: the request has no scored positions")
+        req = _int_matrix(body, "requested_ids")
+        if req.shape[0] != P:
+            raise BadRequest(422, f"requested_ids: {req.shape[0]} rows, expected one per scored position ({P}: "
+                                  f"positions t with response_mask[b, t + 1] == 1, row-major)")
+        if req.shape[1] > svc.max_requested_ids:
+            raise BadRequest(422, f"requested_ids: {req.shape[1]} ids per position, above the limit "
+                                  f"{svc.max_requested_ids}")
+        if bool(((req < 0) | (req >= V)).any()):
+            raise BadRequest(422, f"requested_ids: ids must lie in [0, {V})")
+    return dict(input_ids=ids, attention_mask=am, response_mask=rm, k=k, temperature=float(temperature),
+                requested_ids=req)
+
+
+def _pad(t: torch.Tensor, S: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, S - t.shape[1])) if t.shape[1] < S else t
+
+
+def run_jobs(svc: TeacherService, jobs: list[_Job]) -> list[ScoreResult]:
+    """Score merged jobs in one forward (right-padded to one length) and split the answer back per job."""
+    if len(jobs) == 1:
+        j = jobs[0]
+        return [score_rows(svc.teacher, j.input_ids, j.attention_mask, j.response_mask, k=j.k,
+                           temperature=j.temperature, requested_ids=j.requested_ids)]
+    S = max(j.input_ids.shape[1] for j in jobs)
+    cat = lambda name: torch.cat([_pad(getattr(j, name), S) for j in jobs])  # noqa: E731
+    req = torch.cat([j.requested_ids for j in jobs]) if jobs[0].requested_ids is not None else None
+    r = score_rows(svc.teacher, cat("input_ids"), cat("attention_mask"), cat("response_mask"), k=jobs[0].k,
+                   temperature=jobs[0].temperature, requested_ids=req)
+    out, p0 = [], 0
+    for j in jobs:
+        p1 = p0 + int(scored_positions(j.response_mask).sum())
+        sl = slice(p0, p1)
+        out.append(ScoreResult(None if r.topk_ids is None else r.topk_ids[sl],
+                               None if r.topk_logprobs is None else r.topk_logprobs[sl], r.next_logprobs[sl],
+                               None if r.requested_logprobs is None else r.requested_logprobs[sl], r.temperature))
+        p0 = p1
+    return out
+
+
+def create_app(svc: TeacherService, *, token: str | None = None, max_batch_tokens: int = 65536,
+               max_request_tokens: int = 262144, max_body_bytes: int = 64 * 2 ** 20):
+    """The FastAPI app serving ``svc`` (see the module notes)."""
+    state: dict = {"requests": 0, "batches": 0}
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opdistill-teacher")
+
+    async def worker(queue: asyncio.Queue):
+        loop = asyncio.get_running_loop()
+        pending: list[_Job] = []
+        while True:
+            first = pending.pop(0) if pending else await queue.get()
+            jobs, tokens = [first], first.tokens
+            while not queue.empty():
+                pending.append(queue.get_nowait())
+            rest = []
+            for j in pending:
+                S = max(max(x.input_ids.shape[1] for x in jobs), j.input_ids.shape[1])
+                rows = sum(x.input_ids.shape[0] for x in jobs) + j.input_ids.shape[0]
+                if j.group() == first.group() and rows * S <= max_batch_tokens:
+                    jobs.append(j)
+                    tokens = rows * S
+                else:
+                    rest.append(j)
+            pending = rest
+            jobs = [j for j in jobs if not j.future.cancelled()]
+            if not jobs:
+                continue
+            try:
+                results = await loop.run_in_executor(executor, run_jobs, svc, jobs)
+                state["batches"] += 1
+                for j, r in zip(jobs, results):
+                    if not j.future.done():
+                        j.future.set_result(r)
+            except Exception as e:  # noqa: BLE001 -- a failed forward answers its requests with 500, keeps serving
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        queue: asyncio.Queue = asyncio.Queue()
+        app.state.queue = queue
+        task = asyncio.create_task(worker(queue))
+        try:
+            yield
+        finally:
+            task.cancel()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="opdistill teacher", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def unauthorized(request: Request):
+        if token is None:
+            return None
+        got = request.headers.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer ...)"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info(request: Request):
+        if (r := unauthorized(request)) is not None:
+            return r
+        return {**svc.info, "max_batch_tokens": max_batch_tokens, "max_request_tokens": max_request_tokens,
+                "max_body_bytes": max_body_bytes, "payloads": [MEDIA_JSON, MEDIA_BINARY + ";logprobs=fp32|fp16|int8"],
+                "requests": state["requests"], "batches": state["batches"]}
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        if (r := unauthorized(request)) is not None:
+            return r
+        try:
+            media, codec = parse_accept(request.headers.get("accept"))
+        except ValueError as e:
+            return JSONResponse({"detail": str(e)}, status_code=406)
+        try:
+            declared = int(request.headers.get("content-length", "0") or 0)
+        except ValueError:
+            return JSONResponse({"detail": "Content-Length: not an integer"}, status_code=400)
+        if declared > max_body_bytes:
+            return JSONResponse({"detail": f"body of {declared} bytes is above this server's limit of "
+                                           f"{max_body_bytes}; send fewer rows"}, status_code=413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                return JSONResponse({"detail": f"body above this server's limit of {max_body_bytes} bytes; send "
+                                               f"fewer rows"}, status_code=413)
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            return JSONResponse({"detail": f"the body is not valid JSON ({e})"}, status_code=400)
+        try:
+            parsed = parse_request(body, svc, max_request_tokens)
+        except BadRequest as e:
+            return JSONResponse({"detail": str(e)}, status_code=e.status)
+        fut = asyncio.get_running_loop().create_future()
+        state["requests"] += 1
+        await request.app.state.queue.put(_Job(**parsed, future=fut))
+        try:
+            result = await fut
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {' '.join(str(e).split())}"},
+                                status_code=500)
+        result.model = svc.model_id
+        payload = encode_result(result, media=media, codec=codec, vocab_size=svc.vocab_size)
+        return Response(payload, media_type=media if media == MEDIA_JSON else f"{MEDIA_BINARY};logprobs={codec}")
+
+    return app
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, token_file: str | None = None,
+          max_batch_tokens: int = 65536, max_request_tokens: int = 262144, max_k: int = 64, dtype: str = "float32",
+          trust_remote_code: bool = False, threads: int | None = None, log_level: str = "warning") -> None:
+    """Load the teacher and serve it until interrupted (``opdistill serve-teacher``)."""
+    import uvicorn
+
+    from opdistill.models import load_model, load_tokenizer
+    from opdistill.train.loop import resolve_model_path
+
+    token = None
+    if token_file is not None:
+        try:
+            with open(token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ServeError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
+        if not token:
+            raise ServeError(f"--token-file {token_file}: the file is empty")
+    check_bind(host, token)
+    for name, v in (("--max-batch-tokens", max_batch_tokens), ("--max-request-tokens", max_request_tokens),
+                    ("--max-k", max_k)):
+        if v < 1:
+            raise ServeError(f"{name}: expected an integer >= 1, got {v}")
+    if threads:
+        torch.set_num_threads(threads)
+    path = resolve_model_path(model)
+    teacher = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
+    teacher.requires_grad_(False)
+    tok = load_tokenizer(path, trust_remote_code=trust_remote_code, key="--model")
+    svc = TeacherService(teacher, tok, model_id=model, max_k=max_k)
+    app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens)
+    print(f"opdistill serve-teacher: {model} on http://{host}:{port} (vocab {svc.vocab_size}, max K {svc.max_k}, "
+          f"{'token required' if token else 'no token'})", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
