@@ -38,9 +38,15 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
     """(where, row) pairs of a local jsonl/json/csv/parquet file (or a hub dataset); ``where`` is 'FILE:LINE'."""
     ext = path.rsplit(".", 1)[-1].lower()
     if ext not in ("jsonl", "json", "csv", "parquet"):  # a hub dataset name, where a network exists
-        import datasets
+        try:
+            import datasets
 
-        return [(f"{path} row {i + 1}", r) for i, r in enumerate(datasets.load_dataset(path, split="train"))]
+            rows = datasets.load_dataset(path, split="train")
+        except Exception as e:  # noqa: BLE001 -- datasets raises many types (missing file, script, network, format)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(f"data.path: {path!r} is not a .jsonl/.json/.csv/.parquet file and does not load as a "
+                            f"dataset ({type(e).__name__}: {first[:200]})") from None
+        return [(f"{path} row {i + 1}", r) for i, r in enumerate(rows)]
     if not os.path.isfile(path):
         raise DataError(f"data.path: no such file '{path}'")
     if ext == "parquet":

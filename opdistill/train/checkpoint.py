@@ -338,7 +338,12 @@ def load_weights(path: str | Path, model) -> dict | None:
         weights = load_file(str(path / WEIGHTS))
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types on a bad header
         raise CheckpointError(f"{path / WEIGHTS}: not a readable safetensors file ({e})") from e
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # same names, other shapes: a checkpoint of another model size
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"{path / WEIGHTS}: does not match the model ({first[-1].strip() if first else e})") \
+            from None
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
         raise CheckpointError(f"{path / WEIGHTS}: does not match the model (missing {sorted(missing)}, unexpected "

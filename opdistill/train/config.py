@@ -30,6 +30,7 @@ __all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "OptimCo
            "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
+FLOAT32_MAX = 3.4028234663852886e38
 SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
 
 
@@ -83,7 +84,7 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, le=FLOAT32_MAX)  # torch casts it to the weights' float32: larger overflows
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -146,6 +147,8 @@ class TrainerConfig(_Section):
             if not cond:
                 raise ConfigError(f"{key}: expected {expected}, got {value!r}")
 
+        need(bool(self.run_dir.strip()), "run_dir", "a folder path (an empty one would be the current folder)",
+             self.run_dir)
         need(bool(self.model.student), "model.student", "a model folder", self.model.student)
         if method == "rl":
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
@@ -279,10 +282,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     data = dict(base or {})
     if path is not None:
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 loaded = yaml.load(f, Loader=_Yaml) or {}
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML "
+                              f"text") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

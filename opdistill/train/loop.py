@@ -34,8 +34,8 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import RunLogger
-from opdistill.train.rundir import NonFiniteError, RunWarning, open_run_dir
-from opdistill.train.preflight import check_against_models
+from opdistill.train.rundir import NonFiniteError, RunWarning, check_checkpoint_config, open_run_dir
+from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -83,6 +83,7 @@ def load_models(cfg: TrainerConfig):
         student = truncate_layers(student, mc.student_from_teacher_layers)
     if teacher is not None:
         check_compatible(tok, t_tok, student, teacher)
+    check_finite_weights(cfg, student, teacher)  # a corrupt folder is refused before any eval, score or step
     return tok, student, teacher
 
 
@@ -231,6 +232,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
                                          config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
+        check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
         if "train.steps" in changes and cfg.optim.schedule == "cosine":
             warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
                           f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
@@ -279,6 +281,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
 
         evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
+        cfg_dict = config_to_dict(cfg)  # recorded in every checkpoint: a resume from another run's is refused
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
 
@@ -313,12 +316,12 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                 logger.log(state.step, metrics)
                 logger.advance()
                 if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
-                    save(step=state.step, state=state.to_saved())
+                    save(step=state.step, state={**state.to_saved(), "config": cfg_dict})
                     state.last_save = state.step
             if state.last_eval != state.step and cfg.eval.num_prompts:
                 logger.log(state.step, state.record_eval(evaluate_now()))
             if cfg.checkpoint.save_final and state.last_save != state.step:
-                save(step=state.step, state=state.to_saved())
+                save(step=state.step, state={**state.to_saved(), "config": cfg_dict})
                 state.last_save = state.step
         finally:
             logger.close()
