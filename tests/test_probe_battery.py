@@ -298,3 +298,18 @@ def test_distillation_loss_refuses_a_nan_task_advantage():
     with pytest.raises(ValueError, match=re.escape("advantages is not finite at position (0, 2) (NaN or inf)")):
         loss_fn(s, TeacherSampled(s - 0.1), mask, GlobalBatch.from_masks([mask]), old_logprobs=s,
                 task_advantages=adv)
+
+
+def test_a_duplicate_yaml_key_is_refused_not_silently_replaced(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model: {student: s, teacher: t}\nloss: {topk: 4}\noptim:\n  lr: 0.1\noptim:\n  lr: 0.2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(dup)
+    assert str(e.value) == f"{dup}:5: not valid YAML (duplicate key 'optim'; only the last one would count)"
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("model: {student: s, teacher: t}\nloss: {topk: 4}\noptim: {lr: 0.1, warmup_steps: 2, lr: 0.2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(inner)
+    assert str(e.value) == f"{inner}:3: not valid YAML (duplicate key 'lr'; only the last one would count)"
+    assert load_config(base=BASE, overrides=["data.task_args={min_digits: 1, max_digits: 2}"]).data.task_args == {
+        "min_digits": 1, "max_digits": 2}

@@ -250,7 +250,18 @@ def config_to_dict(cfg: TrainerConfig) -> dict:
 
 
 class _Yaml(yaml.SafeLoader):
-    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings)."""
+    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings), and
+    no duplicate keys (PyYAML keeps the last one without a word: a second ``optim:`` would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key_node.value!r}; only the "
+                                                            f"last one would count", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
