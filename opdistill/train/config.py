@@ -84,7 +84,7 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0, le=FLOAT32_MAX)  # torch casts it to the weights' float32: larger overflows
+    lr: float = Field(1e-3, gt=0)  # at most FLOAT32_MAX: torch casts it to the weights' float32 (_lr_fits)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -92,6 +92,13 @@ class OptimConfig(_Section):
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
     grad_clip: Optional[float] = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _lr_fits(self):
+        if self.lr > FLOAT32_MAX:  # was a RuntimeError ("cannot be converted ... without overflow") in the first step
+            raise ConfigError(f"optim.lr: expected a number > 0 that float32 weights can hold (at most {FLOAT32_MAX:.4g}),"
+                              f" got {self.lr!r}")
+        return self
 
 
 class TrainConfig(_Section):
