@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -37,7 +38,7 @@ def _cmd_train(args):
 def _cmd_demo(args):
     from opdistill.demo import run_demo
 
-    seeds = tuple(int(s) for s in args.seeds.split(","))
+    seeds = args.seeds
     run_demo(args.out, budget_s=args.budget_s, seeds=seeds, eval_every=args.eval_every,
              eval_prompts=args.eval_prompts, threads=args.threads)
 
@@ -51,7 +52,7 @@ def _cmd_eval(args):
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.evaluate import nest_intervals
     from opdistill.train.loop import run_eval, build_task, load_models
-    from opdistill.train.preflight import check_model_folders
+    from opdistill.train.preflight import check_against_models, check_model_folders
     from opdistill.data import PromptSource
 
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
@@ -75,6 +76,7 @@ def _cmd_eval(args):
     if ckpt:
         load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
     task = build_task(cfg)
+    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
     metrics = run_eval(cfg, tok, student, teacher, task, held_out)
     report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
@@ -109,8 +111,10 @@ def _cmd_score(args):
     from opdistill.teacher import TeacherScores, save_cache, score_teacher
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
-    from opdistill.train.preflight import check_model_folders
+    from opdistill.train.preflight import check_against_models, check_model_folders
 
+    if os.path.isdir(args.out):
+        raise ConfigError(f"--out: {args.out} is a folder; give the cache file's path (e.g. {args.out}/cache.safetensors)")
     cfg = load_config(args.config, args.overrides)
     check_model_folders(cfg)
     if cfg.train.threads:
@@ -119,6 +123,7 @@ def _cmd_score(args):
     if teacher is None:
         raise ConfigError("model.teacher: expected a model folder to score with, got None")
     task = build_task(cfg)
+    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     problems = PromptSource(task, cfg.train.seed).batch(0, args.num_prompts)
     prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
     writer = teacher if args.writer == "teacher" else student
@@ -139,6 +144,8 @@ def _cmd_export(args):
     from opdistill.train.export import export_run
 
     print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint)}")
+
+
 def _cmd_serve_teacher(args):
     if args.engine != "hf":
         raise UserError(f"--engine {args.engine}: serve-teacher scores with the hf engine only in this version; "
@@ -153,6 +160,29 @@ def _cmd_serve_teacher(args):
     serve(args.model, host=args.host, port=args.port, token_file=args.token_file,
           max_batch_tokens=args.max_batch_tokens, max_request_tokens=args.max_request_tokens, max_k=args.max_k,
           dtype=args.dtype, trust_remote_code=args.trust_remote_code, threads=args.threads)
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0 (e.g. 0,1), got {text!r}") from None
+    if any(s < 0 for s in seeds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0 (e.g. 0,1), got {text!r}")
+    return seeds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,10 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "OUT/demo.png.")
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
-    d.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    d.add_argument("--eval-every", type=int, default=20, help="evaluate every N steps (default 20)")
-    d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (default 200)")
-    d.add_argument("--threads", type=int, default=None, help="torch threads (default 1: fastest for these tiny models)")
+    d.add_argument("--seeds", type=_seeds, default=(0, 1), help="comma-separated seeds (default 0,1)")
+    d.add_argument("--eval-every", type=_int_at_least(1), default=20, help="evaluate every N steps (default 20)")
+    d.add_argument("--eval-prompts", type=_int_at_least(1), default=200, help="held-out problems (default 200)")
+    d.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads (default 1: fastest for these tiny models)")
     d.set_defaults(fn=_cmd_demo)
 
     e = sub.add_parser("eval", help="evaluate a student (or a checkpoint) on held-out prompts",
@@ -222,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "student) and write teacher top-k and sampled-token log-probs to --out.")
     s.add_argument("--config", required=True)
     s.add_argument("--out", required=True, help="cache file (.safetensors)")
-    s.add_argument("--num-prompts", type=int, default=64)
+    s.add_argument("--num-prompts", type=_int_at_least(1), default=64)
     s.add_argument("--writer", choices=["teacher", "student"], default="teacher")
     s.add_argument("--fp16", action="store_true", help="store log-probs in float16 (default float32)")
     s.add_argument("overrides", nargs="*")
@@ -277,7 +307,14 @@ def _one_line_warning(message, category, filename, lineno, line=None):
 def main(argv: list[str] | None = None) -> int:
     """Run a command. A user error (:class:`opdistill.errors.UserError`: a config key, a data file, a model folder)
     prints one line and returns 2; ``--debug`` adds its traceback. Any other exception is a bug and propagates."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse hands a positional list only the values before the first flag: 'train --config C --resume a=1' must
+    # read a=1 as an override too, not as an unrecognized argument
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _quiet_transformers()
     # the format, not the printer, is swapped: a caller that records warnings (pytest.warns) still records them
     formatwarning = warnings.formatwarning

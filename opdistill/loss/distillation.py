@@ -32,7 +32,8 @@ def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
                          prefix: str = "policy/") -> tuple[torch.Tensor, MetricSums]:
     """Aggregated PPO-clip loss for task rewards (e.g. GRPO advantages), with exact metrics.
 
-    Masked positions are zeroed before the surrogate so garbage there cannot reach a gradient.
+    Masked positions are zeroed before the surrogate so garbage there cannot reach a gradient; a NaN/inf at a valid
+    position of any of the three inputs raises a ``ValueError`` naming the input and the first bad position.
     Metrics: ``{prefix}loss`` (this micro-batch's share of the step objective), ``{prefix}clipfrac`` (the clip
     branch was active), ``{prefix}clipfrac_lower`` (the dual clip was active).
     """
@@ -41,6 +42,11 @@ def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
         check_float(x, name)
         if x.shape != m.shape:
             raise ValueError(f"{name} must have the shape of mask {tuple(m.shape)}, got {tuple(x.shape)}")
+        bad = m & ~torch.isfinite(x)  # a NaN/inf log-prob or advantage gives a NaN loss and gradient
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise ValueError(f"{name} is not finite at position {pos} (NaN or inf) where the policy-gradient loss "
+                             f"reads it; mask that position or fix the {name} that produced it")
     res = ppo_clip_loss(
         torch.where(m, logprobs, 0.0),
         torch.where(m, old_logprobs, 0.0),

@@ -439,7 +439,12 @@ def load_weights(path: str | Path, model) -> dict | None:
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         return manifest
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # same names, other shapes: a checkpoint of another model size
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"{path / name}: does not match the model ({first[-1].strip() if first else e})") \
+            from None
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
         raise CheckpointError(f"{path / WEIGHTS}: does not match the model (missing {sorted(missing)}, unexpected "

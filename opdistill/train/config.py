@@ -31,6 +31,7 @@ __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutCon
            "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
+FLOAT32_MAX = 3.4028234663852886e38
 SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
 
 
@@ -120,7 +121,7 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)  # at most FLOAT32_MAX: torch casts it to the weights' float32 (_lr_fits)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -130,6 +131,13 @@ class OptimConfig(_Section):
     grad_clip: Optional[float] = Field(1.0, gt=0)
     # AdamW kernel (opdistill/train/optim.py): auto = fused where torch has it for the device, else foreach
     implementation: Literal["auto", "fused", "foreach", "single"] = "auto"
+
+    @model_validator(mode="after")
+    def _lr_fits(self):
+        if self.lr > FLOAT32_MAX:  # was a RuntimeError ("cannot be converted ... without overflow") in the first step
+            raise ConfigError(f"optim.lr: expected a number > 0 that float32 weights can hold (at most {FLOAT32_MAX:.4g}),"
+                              f" got {self.lr!r}")
+        return self
 
 
 class TrainConfig(_Section):
@@ -230,6 +238,8 @@ class TrainerConfig(_Section):
             if not cond:
                 raise ConfigError(f"{key}: expected {expected}, got {value!r}")
 
+        need(bool(self.run_dir.strip()), "run_dir", "a folder path (an empty one would be the current folder)",
+             self.run_dir)
         need(bool(self.model.student), "model.student", "a model folder", self.model.student)
         if method == "rl":
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
@@ -336,7 +346,18 @@ def config_to_dict(cfg: TrainerConfig) -> dict:
 
 
 class _Yaml(yaml.SafeLoader):
-    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings)."""
+    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings), and
+    no duplicate keys (PyYAML keeps the last one without a word: a second ``optim:`` would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key_node.value!r}; only the "
+                                                            f"last one would count", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -368,10 +389,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     data = dict(base or {})
     if path is not None:
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 loaded = yaml.load(f, Loader=_Yaml) or {}
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML "
+                              f"text") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

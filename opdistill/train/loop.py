@@ -40,9 +40,9 @@ from opdistill.train.evaluate import evaluate
 from opdistill.train.logger import NullLogger, RunLogger
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.optim import build_optimizer
-from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, open_run_dir
+from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, check_checkpoint_config, open_run_dir
 from opdistill.train.wandb_log import open_wandb
-from opdistill.train.preflight import check_against_models
+from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.remote_teacher import connect_teacher, score_rollouts
 from opdistill.train.step import StepData, group_advantages, train_step
 
@@ -100,6 +100,7 @@ def load_models(cfg: TrainerConfig):
         teacher = self_teacher(student)
     elif teacher is not None:
         check_compatible(tok, t_tok, student, teacher)
+    check_finite_weights(cfg, student, teacher)  # a corrupt folder is refused before any eval, score or step
     return tok, student, teacher
 
 
@@ -257,6 +258,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
                                          config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
+        check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
         if "train.steps" in changes and cfg.optim.schedule == "cosine":
             warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
                           f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
@@ -321,6 +323,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         def evaluate_now() -> dict:
             return run_eval(cfg, tok, ctx.rollout_model(student), remote or teacher, task, held_out, ctx)
 
+        cfg_dict = config_to_dict(cfg)  # recorded in every checkpoint: a resume from another run's is refused
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.group)
 
@@ -357,12 +360,12 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                 logger.log(state.step, metrics)
                 logger.advance()
                 if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
-                    save(step=state.step, state=state.to_saved())
+                    save(step=state.step, state={**state.to_saved(), "config": cfg_dict})
                     state.last_save = state.step
             if state.last_eval != state.step and cfg.eval.num_prompts:
                 logger.log(state.step, state.record_eval(evaluate_now()))
             if cfg.checkpoint.save_final and state.last_save != state.step:
-                save(step=state.step, state=state.to_saved())
+                save(step=state.step, state={**state.to_saved(), "config": cfg_dict})
                 state.last_save = state.step
         finally:
             logger.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opdistill.train.logger import read_metrics
+from opdistill.train.rundir import RunError
 
 __all__ = ["PANELS", "plot_run"]
 
@@ -25,9 +26,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    rows = read_metrics(run_dir) if Path(run_dir).is_dir() else []
     if not rows:
-        raise FileNotFoundError(f"{Path(run_dir) / 'metrics.jsonl'}: no metrics to plot")
+        raise RunError(f"{Path(run_dir) / 'metrics.jsonl'}: no metrics to plot (is {run_dir} a run directory that "
+                       f"has logged a step?)")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, keys) in zip(axes, PANELS):
         for key in keys:

@@ -12,10 +12,10 @@ import torch
 
 from opdistill.data import DatasetTask, PromptSource, Task
 from opdistill.data.prompts import warn_unknown_chars
-from opdistill.errors import ConfigError
+from opdistill.errors import ConfigError, ModelError
 from opdistill.train.config import TrainerConfig
 
-__all__ = ["check_model_folders", "check_against_models", "model_positions"]
+__all__ = ["check_model_folders", "check_finite_weights", "check_against_models", "model_positions"]
 
 
 def check_model_folders(cfg: TrainerConfig) -> None:
@@ -33,13 +33,27 @@ def check_model_folders(cfg: TrainerConfig) -> None:
             model_folder(path, key)
 
 
+def check_finite_weights(cfg: TrainerConfig, student, teacher) -> None:
+    """Refuse a loaded model holding a NaN/inf weight (a corrupt or diverged folder), naming the key and the tensor:
+    otherwise the first evaluation or training step fails deep inside the loss, or every step is skipped as
+    non-finite. One pass over the weights, right after loading."""
+    for key, model in (("model.student", student), ("model.teacher", teacher)):
+        if model is None:
+            continue
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ModelError(f"{key}: weight {name} of {getattr(cfg.model, key.split('.')[1])!r} holds NaN/inf "
+                                 f"(a corrupt or diverged model folder); use an intact model folder")
+
+
 def model_positions(model) -> int | None:
     """How many positions the model was built for (None when its config does not say)."""
     c = model.config
     return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
 
-def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task) -> None:
+def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task, *,
+                         training: bool = True) -> None:
     """Refuse, naming the key, what the config asks and the loaded models cannot do; fit a dataset's prompts.
 
     - fp16 student weights when training (``model.dtype``): there is no loss scaling, so small gradients flush to 0
@@ -48,9 +62,13 @@ def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: 
     - ``rollout.max_new_tokens`` / ``eval.max_new_tokens`` leaving no room for a prompt within the positions;
     - prompts longer than positions - max_new_tokens: a dataset's rows are refused or cut (``data.overlong``), a
       generated task's (its held-out set and first training batch) are refused naming ``data.task_args``;
-    - characters the tokenizer maps to its unknown token: one warning with a count.
+    - characters the tokenizer maps to its unknown token: one warning with a count;
+    - NaN/inf weights in either model (:func:`check_finite_weights`).
+
+    ``training=False`` (``opdistill eval`` / ``score``): the same checks but fp16 weights, which are fine there.
     """
-    if cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
+    check_finite_weights(cfg, student, teacher)
+    if training and cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
         raise ConfigError("model.dtype: float16 training is refused: the trainer has no loss scaling, so small "
                           "gradients flush to zero and one overflow turns every weight into NaN; use bfloat16 or "
                           "float32 (float16 is fine for eval and score)")

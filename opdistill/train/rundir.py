@@ -32,7 +32,7 @@ from opdistill.errors import UserError
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl"]
+           "read_jsonl", "check_checkpoint_config"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -262,6 +262,7 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise RunError(f"run_dir {path} is a file, not a folder; choose another run_dir")
+    _check_not_nested(path)
     path.mkdir(parents=True, exist_ok=True)
     lock = _acquire_lock(path)
     try:
@@ -270,6 +271,7 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
                 check_not_symlink(path / name)
         found = _holds_run(path)
         if overwrite:
+            _check_no_run_inside(path, found)
             for name in found:
                 p = path / name
                 if p.is_dir() and not p.is_symlink():
@@ -286,6 +288,47 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
         lock.release()
         raise
     return RunDir(path, lock)
+
+
+def _check_not_nested(path: Path) -> None:
+    """Refuse a ``run_dir`` inside an entry of another run (its ``checkpoints/``, a checkpoint folder, its
+    ``tensorboard/``): that run's ``keep_last`` rotation or ``--overwrite`` would delete this one."""
+    resolved = path.resolve()
+    for entry in [resolved, *resolved.parents]:
+        owner = entry.parent
+        if entry.name in RUN_ENTRIES and entry != owner and any(
+                os.path.lexists(owner / n) for n in ("config.yaml", _LOCK)):
+            raise RunError(f"run_dir {path} is inside {entry}, which belongs to the run in {owner} (its rotation or "
+                           f"--overwrite would delete this run); choose a run_dir outside it")
+
+
+def _check_no_run_inside(path: Path, found: list[str]) -> None:
+    """``--overwrite`` deletes ``found``: refuse when another run lives inside one of them (a ``.lock`` there)."""
+    for name in found:
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            inner = next((p for p in entry.rglob(_LOCK) if not p.is_symlink()), None)
+            if inner is not None:
+                raise RunError(f"--overwrite would delete {entry}, which holds another run ({inner.parent}); move "
+                               f"that run out first, or choose another run_dir")
+
+
+def check_checkpoint_config(ckpt: Path, new: dict) -> None:
+    """Refuse resuming from checkpoint ``ckpt`` when the config it was written with (``trainer_state.json``'s
+    ``config``, saved by the trainer) differs from ``new`` in a key outside :data:`RESUMABLE_KEYS`: the checkpoint
+    was copied from another run, or ``config.yaml`` was edited by hand (the run would silently mix two configs)."""
+    try:
+        saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return  # verify_checkpoint already vouched for the file; a state without a config predates this check
+    if not isinstance(saved, dict):
+        return
+    changes = config_changes(json.loads(json.dumps(saved)), json.loads(json.dumps(new, default=str)))
+    refused = {k: v for k, v in changes.items() if not _resumable(k)}
+    if refused:
+        raise RunError(f"--resume: checkpoint {ckpt} was written with another config than this run's: "
+                       f"{_fmt_changes(refused)} (the checkpoint was copied from another run, or config.yaml was "
+                       f"edited by hand); resume with the config it was written with, or start another run_dir")
 
 
 def _acquire_lock(path: Path):
