@@ -107,14 +107,14 @@ def test_score_out_that_is_a_folder_is_refused_before_any_work(tmp_path, capsys)
 def test_a_data_path_of_another_kind_is_a_data_error_and_runs_no_script(tmp_path):
     txt = tmp_path / "prompts.txt"
     txt.write_text("hello\n")
-    with pytest.raises(DataError, match=re.escape(f"data.path: '{txt}' is not a .jsonl/.json/.csv/.parquet file and "
-                                                  f"does not load as a dataset (")):
+    with pytest.raises(DataError, match=re.escape(f"data.path: cannot load dataset '{txt}' split 'train': not a local "
+                                                  "file or dataset folder, and the hub could not provide it (")):
         DatasetTask(str(txt))
     folder = tmp_path / "ds"  # a dataset folder with a loading script: never imported
     folder.mkdir()
     marker = tmp_path / "ran"
     (folder / "ds.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    with pytest.raises(DataError, match=re.escape(f"data.path: '{folder}' is not a .jsonl/.json/.csv/.parquet")):
+    with pytest.raises(DataError, match=re.escape(f"data.path: cannot load dataset '{folder}' split 'train': ")):
         DatasetTask(str(folder))
     assert not marker.exists()
 

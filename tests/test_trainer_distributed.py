@@ -48,7 +48,8 @@ def _configs(tmp: Path) -> dict:
     rows = [{"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a in range(3) for b in range(4)]
     (tmp / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rl = tiny_config_dict(tmp, method="rl", steps=3, rollout={"n": 4, "max_new_tokens": 12}, **common)
-    rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4}
+    rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4,
+                  "answer_match": "contains"}
     return {"on": on, "off": off, "rl": rl}
 
 
