@@ -52,7 +52,7 @@ def fused_topk_divergence(
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
     group=None,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> TopKResult:
     """``topk_divergence(hidden @ weight.T + bias, teacher_ids, teacher_logprobs, ...)`` without a ``[N, V]`` buffer.
 

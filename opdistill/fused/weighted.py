@@ -82,7 +82,7 @@ def fused_topk_loss(
     temperature: float = 1.0,
     loss_max_clamp: float | None = None,
     group=None,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> tuple[torch.Tensor, TopKResult]:
     """(sum_t token_weights_t * clamp(L_t, -c, c), per-token ``TopKResult``), L_t as ``fused_topk_divergence``.
 

@@ -185,7 +185,8 @@ class DistillationLoss:
         ids = torch.where(keep, ids, torch.zeros_like(ids))
         lp = torch.where(keep, lp, float("-inf"))
         kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
-                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature)
+                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
+                  validate="student" if teacher.validated else True)
         precomputed = None
         if backend.weighted_topk is not None and not cfg.use_policy_gradient:
             # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while

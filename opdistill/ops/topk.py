@@ -145,6 +145,14 @@ def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
     return loss.clamp_min(0.0)
 
 
+def is_member(ids: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[..., K] bool: ``ids[..., k]`` is one of the ids of its row of ``ref`` [..., R] (R >= 1), in O((K + R) log R):
+    sort ``ref`` by id, binary-search each id, compare the id found (not the [..., K, R] all-pairs comparison)."""
+    ref, ids = ref.to(ids.dtype).sort(dim=-1).values, ids.contiguous()
+    at = torch.searchsorted(ref, ids).clamp_max(ref.shape[-1] - 1)
+    return ref.gather(-1, at) == ids
+
+
 def finish_topk(
     loss: torch.Tensor,
     student_logprobs: torch.Tensor,
@@ -170,8 +178,7 @@ def finish_topk(
         if log_prob_min_clamp is not None:
             s = s.clamp_min(log_prob_min_clamp)
             t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
-        in_student_topk = (teacher_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(-1)  # [..., K]
-        overlap = valid & in_student_topk
+        overlap = valid & is_member(teacher_ids, student_topk_ids)
         count = overlap.sum(-1)
         t_safe = torch.where(overlap, t, 0.0)
         s_safe = torch.where(overlap, s, 0.0)
@@ -190,7 +197,7 @@ def topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> TopKResult:
     """Per-token top-k distillation divergence between the teacher's top-k and the student's distribution.
 
@@ -207,8 +214,9 @@ def topk_divergence(
         validate: refuse NaN/+inf student logits in a row that has a non-empty slot (``ValueError`` naming the first
             such position); False skips every check that reads tensor values (this one and those of the teacher
             signal: ids in range, log-probs, mass, duplicates; each a device-to-host sync) for hot loops whose
-            inputs are known to be valid.  Rows with no
-            non-empty slot (masked) are zeroed either way: their values never reach the loss or a gradient.
+            inputs are known to be valid; ``"student"`` keeps the student check and skips the teacher's (a signal
+            checked where it was made, ``TeacherTopK(validated=True)``).  Rows with no non-empty slot (masked) are
+            zeroed either way: their values never reach the loss or a gradient.
 
     ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
     ``clamp_min(0)``, in value and gradient.  Returns a ``TopKResult`` of per-token tensors.

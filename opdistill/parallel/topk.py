@@ -68,7 +68,7 @@ def vocab_parallel_topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> TopKResult:
     """``topk_divergence`` with the student logits sharded on the vocabulary dim over ``group``.
 
