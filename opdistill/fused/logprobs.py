@@ -74,21 +74,29 @@ class FusedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_s, grad_ent, _grad_top, _grad_lse):
         hidden, weight, bias, ids, lse, ent, live = ctx.saved_tensors
         temperature, chunk_size, want_entropy, shard = ctx.cfg
-        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
         if not want_entropy or grad_ent is None or not bool(grad_ent.any()):
             grad_ent = None
         if grad_s is None:
             grad_s = torch.zeros(ids.shape, dtype=lse.dtype, device=hidden.device)
-        with torch.no_grad():
-            for a in range(0, hidden.shape[0], chunk_size):
-                b = min(a + chunk_size, hidden.shape[0])
-                z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # recompute one chunk [c, V_local]
-                dz = logit_grad(shard, z, ids[a:b], lse[a:b], grad_s[a:b].to(lse.dtype), temperature,
-                                live=_rows(live, a, b), g_entropy=None if grad_ent is None else grad_ent[a:b],
-                                entropy=ent[a:b] if grad_ent is not None else None, out=z)  # [c, V_local] dL/dz
-                grads.add(slice(a, b), dz)
-                del z, dz
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
+        recompute_grads(grads, shard, ids, lse, grad_s.to(lse.dtype), live, temperature, chunk_size, grad_ent, ent)
         return grads.result(shard) + (None,) * 7
+
+
+def recompute_grads(grads: LinearGrads, shard, ids, lse, g, live, temperature, chunk_size, g_entropy=None,
+                    entropy=None) -> None:
+    """Sum into ``grads`` the gradients of every chunk from g = dL/ds [N, K] (and dL/dE): each chunk's logits are
+    recomputed (one GEMM) and overwritten in place by dL/dz (``logit_grad``)."""
+    hidden, weight, bias = grads.inputs
+    with torch.no_grad():
+        for a in range(0, hidden.shape[0], chunk_size):
+            b = min(a + chunk_size, hidden.shape[0])
+            z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # [c, V_local]
+            dz = logit_grad(shard, z, ids[a:b], lse[a:b], g[a:b], temperature, live=_rows(live, a, b),
+                            g_entropy=None if g_entropy is None else g_entropy[a:b],
+                            entropy=None if g_entropy is None else entropy[a:b], out=z)
+            grads.add(slice(a, b), dz)
+            del z, dz
 
 
 def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_name="weight", bias_name="bias") -> int:

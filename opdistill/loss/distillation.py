@@ -13,6 +13,8 @@ refuses to run without a ``GlobalBatch``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..batch import GlobalBatch, aggregate
@@ -193,8 +195,9 @@ class DistillationLoss:
             # each chunk's logits are alive (no recompute in backward)
             weights = _aggregation_weights(m, cfg.loss_agg_mode, batch, cu_seqlens, group, student.hidden)
             precomputed, res = backend.weighted_topk(student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp, **kw)
-        else:
-            res = backend.topk(student, ids, lp, **kw)
+        else:  # policy gradient reads the per-token loss detached: no graph (the fused op then skips its gradients)
+            with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
+                res = backend.topk(student, ids, lp, **kw)
         k = ids.shape[-1]
         metrics.add_mean("distillation/student_mass", res.student_mass, m)
         metrics.add_extrema("distillation/student_mass", res.student_mass, m)
