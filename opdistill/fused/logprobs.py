@@ -32,58 +32,50 @@ from ..parallel.stages import global_topk, logit_grad, lse_and_gather
 from ._chunks import LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
 
 
-def _rows(live, a, b):
-    return None if live is None else live[a:b]
-
-
-def chunk_stages(shard, h, weight, bias, ids, live, temperature, dtype, student_topk=0, entropy=False):
+def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False):
     """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
     unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None)."""
     z = chunk_logits(h, weight, bias, 1.0)
     top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
-    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, live=live, entropy=entropy)
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy)
     return z, top, lse[:, 0], z_at - lse, ent
 
 
 class FusedLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], topk ids [N, k],
-    lse [N]); ``live`` [N] | None marks the rows that count (the others get no gradient)."""
+    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], lse [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, shard, live, temperature, chunk_size, want_entropy, student_topk):
+    def forward(ctx, hidden, weight, bias, ids, shard, temperature, chunk_size, want_entropy):
         N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
         s = torch.empty(ids.shape, dtype=cd, device=hidden.device)
         lse = torch.empty(N, dtype=cd, device=hidden.device)
         ent = torch.empty(N if want_entropy else 0, dtype=cd, device=hidden.device)
-        top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                _, t, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], _rows(live, a, b),
-                                                         temperature, cd, student_topk, want_entropy)
-                if student_topk:
-                    top[a:b] = t
+                _, _, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], temperature, cd,
+                                                         entropy=want_entropy)
                 if want_entropy:
                     ent[a:b] = e
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent, live)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
         ctx.cfg = (temperature, chunk_size, want_entropy, shard)
-        ctx.mark_non_differentiable(top, lse)
-        return s, ent, top, lse
+        ctx.mark_non_differentiable(lse)
+        return s, ent, lse
 
     @staticmethod
-    def backward(ctx, grad_s, grad_ent, _grad_top, _grad_lse):
-        hidden, weight, bias, ids, lse, ent, live = ctx.saved_tensors
+    def backward(ctx, grad_s, grad_ent, _grad_lse):
+        hidden, weight, bias, ids, lse, ent = ctx.saved_tensors
         temperature, chunk_size, want_entropy, shard = ctx.cfg
         if not want_entropy or grad_ent is None or not bool(grad_ent.any()):
             grad_ent = None
         if grad_s is None:
             grad_s = torch.zeros(ids.shape, dtype=lse.dtype, device=hidden.device)
         grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
-        recompute_grads(grads, shard, ids, lse, grad_s.to(lse.dtype), live, temperature, chunk_size, grad_ent, ent)
-        return grads.result(shard) + (None,) * 7
+        recompute_grads(grads, shard, ids, lse, grad_s.to(lse.dtype), temperature, chunk_size, grad_ent, ent)
+        return grads.result(shard) + (None,) * 5
 
 
-def recompute_grads(grads: LinearGrads, shard, ids, lse, g, live, temperature, chunk_size, g_entropy=None,
+def recompute_grads(grads: LinearGrads, shard, ids, lse, g, temperature, chunk_size, g_entropy=None,
                     entropy=None) -> None:
     """Sum into ``grads`` the gradients of every chunk from g = dL/ds [N, K] (and dL/dE): each chunk's logits are
     recomputed (one GEMM) and overwritten in place by dL/dz (``logit_grad``)."""
@@ -92,7 +84,7 @@ def recompute_grads(grads: LinearGrads, shard, ids, lse, g, live, temperature, c
         for a in range(0, hidden.shape[0], chunk_size):
             b = min(a + chunk_size, hidden.shape[0])
             z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # [c, V_local]
-            dz = logit_grad(shard, z, ids[a:b], lse[a:b], g[a:b], temperature, live=_rows(live, a, b),
+            dz = logit_grad(shard, z, ids[a:b], lse[a:b], g[a:b], temperature,
                             g_entropy=None if g_entropy is None else g_entropy[a:b],
                             entropy=None if g_entropy is None else entropy[a:b], out=z)
             grads.add(slice(a, b), dz)
@@ -146,20 +138,6 @@ def check_fused_rows(lse: torch.Tensor, live: torch.Tensor | None, hidden2d: tor
         check_finite_rows(bad.reshape(lead), name)
 
 
-def fused_logprobs(hidden2d, weight, bias, ids2d, shard, *, live=None, temperature, chunk_size, want_entropy,
-                   student_topk):
-    """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``, lse
-    ``[N]``).  Rows where ``live`` [N] is False get no gradient; the caller zeroes them in ``hidden``
-    (``topk.topk_inputs``), since the weight gradient sums dL/dz^T h over the rows and 0 * NaN is NaN."""
-    if chunk_size is None:
-        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1],
-                                        upcast=needs_upcast(hidden2d, weight))
-    return FusedLogprobs.apply(
-        hidden2d, weight, bias, ids2d.long(), shard, live, float(temperature), int(chunk_size), bool(want_entropy),
-        int(student_topk),
-    )
-
-
 def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -200,8 +178,10 @@ def fused_token_logprobs(
         check_ids_in_range(ids, shard.vocab_size, "ids")
     lead = tuple(ids.shape)
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    s, ent, _, lse = fused_logprobs(h2, weight, bias, ids.reshape(-1, 1), shard, temperature=temperature,
-                                    chunk_size=chunk_size, want_entropy=return_entropy, student_topk=0)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1], upcast=needs_upcast(h2, weight))
+    s, ent, lse = FusedLogprobs.apply(h2, weight, bias, ids.reshape(-1, 1).long(), shard, float(temperature),
+                                      int(chunk_size), return_entropy)
     if validate:
         check_fused_rows(lse, None, h2, lead)
     s = s.reshape(lead)

@@ -49,17 +49,18 @@ class FusedTopKObjective(torch.autograd.Function):
             b = min(a + chunk_size, N)
             with torch.no_grad():
                 z, top[a:b], lse_all[a:b], s_all[a:b], _ = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b],
-                                                                        live[a:b], temperature, cd, student_topk)
+                                                                        temperature, cd, student_topk)
             s = s_all[a:b].clone().requires_grad_(any(ctx.needs_input_grad[:3]))
             with torch.enable_grad():
                 o = objective(s, a, b)
                 if s.requires_grad:
-                    (g_all[a:b],) = torch.autograd.grad(o.sum(), s)  # [c, K] d o_t / d s_t
+                    (g,) = torch.autograd.grad(o.sum(), s)  # [c, K] d o_t / d s_t; dead rows: none
+                    g_all[a:b] = torch.where(live[a:b, None], g, 0.0)
             out[a:b] = o.detach()
             if s.requires_grad:
                 with torch.no_grad():  # dL/dz in place in the chunk buffer [c, V_local]
                     grads.add(slice(a, b), logit_grad(shard, z, ids[a:b], lse_all[a:b], g_all[a:b], temperature,
-                                                      live=live[a:b], out=z))
+                                                      out=z))
             del z
         ctx.grads = grads.result(shard) if reduced else grads
         ctx.save_for_backward(hidden, weight, bias, ids, lse_all, g_all, live)
@@ -83,7 +84,8 @@ class FusedTopKObjective(torch.autograd.Function):
             return grads.result(shard) + (None,) * 8
         # per-token gradients that differ between rows (or a second backward): recompute with g_t u_t
         grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
-        recompute_grads(grads, shard, ids, lse, g * grad_out[:, None].to(g.dtype), live, temperature, chunk_size)
+        u = torch.where(live, grad_out, 0.0).to(g.dtype)
+        recompute_grads(grads, shard, ids, lse, g * u[:, None], temperature, chunk_size)
         return grads.result(shard) + (None,) * 8
 
 

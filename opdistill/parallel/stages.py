@@ -93,10 +93,12 @@ def lse_and_gather(
     for rows in chunks:
         for i, x in enumerate(xs):
             d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
+            if not (entropy and i == 0):
+                buf[rows, i] = d.exp_().sum(-1)
+                continue
             e = torch.exp(d)
             buf[rows, i] = e.sum(-1)
-            if entropy and i == 0:
-                buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
+            buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
     all_reduce_(buf, dist.ReduceOp.SUM, shard)  # collective 2: sums, owned logits and entropy terms, one message
     lse = m + torch.log(buf[:, :nx])
     ent = torch.log(buf[:, 0]) - buf[:, -1] / buf[:, 0] if entropy else None
@@ -134,17 +136,23 @@ def logit_grad(
     owned, local = owned_local_ids(shard, ids)
     g_owned = torch.where(owned, g, 0.0).to(dtype)  # [N, K] other ranks' ids add 0 at local index 0
     g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
+    in_place = out is x and x.dtype == dtype and live is None and g_entropy is None  # the fused chunk buffer
     for rows in row_chunks(x.shape[0], w):
-        logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
-        pi = torch.exp(logp)
-        if g_entropy is None:
-            grad = (-g_sum[rows]) * pi
+        if in_place:  # the same arithmetic, in the buffer: no [n, w] temporary
+            grad = out[rows, :w]
+            if tau != 1.0:
+                grad.div_(tau)
+            grad.sub_(lse[rows, None]).exp_().mul_(-g_sum[rows])
+        elif g_entropy is None:
+            grad = (-g_sum[rows]) * torch.exp(block(x, rows, w, tau, dtype, live) - lse[rows, None])
         else:  # -(sum g) pi - gE pi (log pi + E)
-            grad = pi * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
+            logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
+            grad = torch.exp(logp) * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
         grad.scatter_add_(1, local[rows], g_owned[rows])  # duplicates add up, as in gather's backward
         if tau != 1.0:
-            grad = grad / tau
-        out[rows, :w] = grad.to(out.dtype)
+            grad.div_(tau)
+        if not in_place:
+            out[rows, :w] = grad.to(out.dtype)
     return out
 
 
