@@ -29,7 +29,7 @@ import torch
 from ..ops.checks import check_finite_rows, check_float, check_ids_in_range, check_int, check_temperature, compute_dtype
 from ..parallel.shard import VocabShard
 from ..parallel.stages import global_topk, logit_grad, lse_and_gather
-from ._chunks import LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
+from ._chunks import LinearGrads, chunk_logits, chunk_rows
 
 
 def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False):
@@ -170,7 +170,7 @@ def fused_token_logprobs(
     if tuple(ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"ids must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got {tuple(ids.shape)}")
     check_temperature(temperature)
-    check_chunk_size(chunk_size)
+    chunk_size = chunk_rows(chunk_size, hidden, weight)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
     shard = weight_shard(weight, group)
@@ -178,8 +178,6 @@ def fused_token_logprobs(
         check_ids_in_range(ids, shard.vocab_size, "ids")
     lead = tuple(ids.shape)
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    if chunk_size is None:
-        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1], upcast=needs_upcast(h2, weight))
     s, ent, lse = FusedLogprobs.apply(h2, weight, bias, ids.reshape(-1, 1).long(), shard, float(temperature),
                                       int(chunk_size), return_entropy)
     if validate:

@@ -28,7 +28,7 @@ import torch
 from ..ops.checks import check_float, check_topk_inputs, compute_dtype
 from ..ops.topk import TopKResult, finish_topk, topk_loss_from_logprobs
 from ..parallel.stages import logit_grad
-from ._chunks import LinearGrads, check_chunk_size, default_chunk_size, needs_upcast
+from ._chunks import LinearGrads, chunk_rows
 from .logprobs import check_fused_rows, check_linear_inputs, chunk_stages, recompute_grads, weight_shard
 
 
@@ -94,7 +94,7 @@ def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size,
     teacher log-probs [N, K] (compute dtype), live [N]: the rows with a non-empty slot; the others reach no
     gradient, chunk size)."""
     check_linear_inputs(hidden, weight, bias)
-    check_chunk_size(chunk_size)
+    chunk_size = chunk_rows(chunk_size, hidden, weight)
     shard = weight_shard(weight, group)
     check_topk_inputs(None, teacher_ids, teacher_logprobs, temperature=temperature, vocab_size=shard.vocab_size,
                       validate=validate, **kw)
@@ -108,8 +108,6 @@ def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size,
     t = teacher_logprobs.reshape(-1, K)
     live = (t > float("-inf")).any(-1)
     h2 = torch.where(live[:, None], hidden.reshape(-1, hidden.shape[-1]), 0.0)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1], upcast=needs_upcast(h2, weight))
     return shard, lead, h2, teacher_ids.reshape(-1, K).long(), t.to(compute_dtype(hidden.dtype)), live, chunk_size
 
 

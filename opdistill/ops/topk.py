@@ -221,26 +221,15 @@ def topk_divergence(
     ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
     ``clamp_min(0)``, in value and gradient.  Returns a ``TopKResult`` of per-token tensors.
     """
-    check_topk_inputs(
-        student_logits,
-        teacher_ids,
-        teacher_logprobs,
-        support=support,
-        divergence=divergence,
-        beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp,
-        temperature=temperature,
-        validate=validate,
-    )
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    check_topk_inputs(student_logits, teacher_ids, teacher_logprobs, temperature=temperature, validate=validate, **kw)
     ids = teacher_ids.long()
     live = (teacher_logprobs > float("-inf")).any(-1)  # [...] rows with a non-empty slot
     s, lse = student_logprobs_at(student_logits, ids, temperature, live)  # [..., K], [...]
     if validate:
         check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
-    loss = topk_loss_from_logprobs(
-        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
-    )
+    loss = topk_loss_from_logprobs(s, t, **kw)
     # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
     student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
     return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape))
