@@ -92,19 +92,9 @@ def check_teacher_logprobs(logprobs: torch.Tensor, name: str, *, allow_neg_inf: 
         )
 
 
-def check_topk_inputs(
-    student_logits: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    *,
-    support: str,
-    divergence: str,
-    beta: float,
-    log_prob_min_clamp,
-    temperature: float,
-    vocab_size: int | None = None,
-    validate: bool | str = True,
-) -> None:
+def check_topk_inputs(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *,
+                      support: str, divergence: str, beta: float, log_prob_min_clamp, temperature: float,
+                      vocab_size: int | None = None, validate: bool | str = True) -> None:
     """Every check of ``topk_divergence`` (and its vocab-parallel / fused variants).
 
     ``vocab_size`` is the true vocabulary when ``student_logits`` is only a shard (or absent); ids are checked

@@ -92,15 +92,9 @@ def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=-1)
 
 
-def topk_loss_from_logprobs(
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    *,
-    support: str,
-    divergence: str,
-    beta: float = 0.5,
-    log_prob_min_clamp: float | None = None,
-) -> torch.Tensor:
+def topk_loss_from_logprobs(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, support: str,
+                            divergence: str, beta: float = 0.5,
+                            log_prob_min_clamp: float | None = None) -> torch.Tensor:
     """Per-token loss from s_k = log pi(i_k) and l_k = log nu(i_k) ([..., K] each; l = -inf marks an empty slot).
 
     truncated/forward   L = max(0, sum_k nu'_k (l'_k - s'_k)),  primes: clamp_min(log_prob_min_clamp) if set
@@ -153,15 +147,9 @@ def is_member(ids: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return ref.gather(-1, at) == ids
 
 
-def finish_topk(
-    loss: torch.Tensor,
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    student_topk_ids: torch.Tensor,
-    log_prob_min_clamp: float | None,
-    lead: tuple,
-) -> TopKResult:
+def finish_topk(loss: torch.Tensor, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                teacher_ids: torch.Tensor, student_topk_ids: torch.Tensor, log_prob_min_clamp: float | None,
+                lead: tuple) -> TopKResult:
     """The ``TopKResult`` of every back-end from the per-token loss and the ``[N, K]`` stages' outputs (detached).
 
     Q = sum_k pi(i_k), P = sum_k nu(i_k) over the non-empty slots, unclamped.  The overlap is T cap S with S the

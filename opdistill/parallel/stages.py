@@ -60,16 +60,9 @@ def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor,
     return owned, torch.where(owned, ids - shard.start, 0)
 
 
-def lse_and_gather(
-    shard: VocabShard,
-    xs: tuple[torch.Tensor, ...],
-    ids: torch.Tensor | None,
-    tau: float,
-    dtype: torch.dtype,
-    *,
-    live: torch.Tensor | None = None,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.Tensor | None, tau: float,
+                   dtype: torch.dtype, *, live: torch.Tensor | None = None,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(lse [N, X], z/tau of xs[0] at ids [N, K] (None without ids), entropy of xs[0] [N] (None unless asked)).
 
     ``xs``: X logit blocks ``[N, Vl]`` sharded the same way (the JSD passes student and teacher); ``live`` [N] bool.
@@ -105,19 +98,9 @@ def lse_and_gather(
     return lse, (buf[:, nx : nx + k] if ids is not None else None), ent
 
 
-def logit_grad(
-    shard: VocabShard,
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    lse: torch.Tensor,
-    g: torch.Tensor,
-    tau: float,
-    *,
-    live: torch.Tensor | None = None,
-    g_entropy: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, tau: float, *,
+               live: torch.Tensor | None = None, g_entropy: torch.Tensor | None = None,
+               entropy: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """dL/dx [N, Vl] from g = dL/ds [N, K] (and gE = dL/dE [N] with the entropy E [N]); see the module docstring.
 
     ``lse`` [N] (its dtype is the compute dtype).  ``out``: where to write (default a new tensor in x's dtype);
@@ -205,18 +188,8 @@ def jsd_totals(
     return all_reduce_(totals, dist.ReduceOp.SUM, shard)
 
 
-def jsd_logit_grad(
-    shard: VocabShard,
-    xs: torch.Tensor,
-    xt: torch.Tensor,
-    lse: torch.Tensor,
-    A: torch.Tensor,
-    grad: torch.Tensor,
-    tau: float,
-    beta: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def jsd_logit_grad(shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor, A: torch.Tensor,
+                   grad: torch.Tensor, tau: float, beta: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """dJ/dxs [N, Vl] for the incoming grad [N]: the log-softmax backward of phi with the all-reduced A,
 
         dJ/dxs_j = grad * (1/tau) * (a_j - pi_j A),     pi_j = exp(s_j)
