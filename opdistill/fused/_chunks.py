@@ -43,7 +43,8 @@ def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool =
     return max(1, min(n_tokens, max(rows // buffers, MIN_CHUNK_ROWS)))
 
 
-def chunk_rows(chunk_size, hidden: torch.Tensor, weight: torch.Tensor, width: int | None = None, buffers: int = 1) -> int:
+def chunk_rows(chunk_size, hidden: torch.Tensor, weight: torch.Tensor, width: int | None = None,
+               buffers: int = 1) -> int:
     """``chunk_size`` checked (an int >= 1, or None: ``default_chunk_size`` for hidden ``[..., H]`` and weight
     ``[V, H]``; ``width``: the hidden size to plan for, default H)."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):

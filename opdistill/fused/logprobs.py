@@ -32,12 +32,13 @@ from ..parallel.stages import global_topk, logit_grad, lse_and_gather
 from ._chunks import LinearGrads, chunk_logits, chunk_rows
 
 
-def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False):
+def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False, keep_exp=None):
     """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
-    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None)."""
+    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None).  ``keep_exp``: z
+    is returned as exp(z / tau - m), ``keep_exp`` [c] = 1 / S (``lse_and_gather``)."""
     z = chunk_logits(h, weight, bias, 1.0)
     top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
-    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy)
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy, keep_exp=keep_exp)
     return z, top, lse[:, 0], z_at - lse, ent
 
 

@@ -47,9 +47,10 @@ class FusedTopKObjective(torch.autograd.Function):
         top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
+            scale = torch.empty(b - a, dtype=cd, device=hidden.device)  # pi = z * scale after the stages
             with torch.no_grad():
                 z, top[a:b], lse_all[a:b], s_all[a:b], _ = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b],
-                                                                        temperature, cd, student_topk)
+                                                                        temperature, cd, student_topk, keep_exp=scale)
             s = s_all[a:b].clone().requires_grad_(any(ctx.needs_input_grad[:3]))
             with torch.enable_grad():
                 o = objective(s, a, b)
@@ -60,7 +61,7 @@ class FusedTopKObjective(torch.autograd.Function):
             if s.requires_grad:
                 with torch.no_grad():  # dL/dz in place in the chunk buffer [c, V_local]
                     grads.add(slice(a, b), logit_grad(shard, z, ids[a:b], lse_all[a:b], g_all[a:b], temperature,
-                                                      out=z))
+                                                      out=z, pi_scale=scale))
             del z
         ctx.grads = grads.result(shard) if reduced else grads
         ctx.save_for_backward(hidden, weight, bias, ids, lse_all, g_all, live)

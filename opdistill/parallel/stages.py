@@ -61,12 +61,15 @@ def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.Tensor | None, tau: float,
-                   dtype: torch.dtype, *, live: torch.Tensor | None = None,
-                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   dtype: torch.dtype, *, live: torch.Tensor | None = None, entropy: bool = False,
+                   keep_exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                  torch.Tensor | None]:
     """(lse [N, X], z/tau of xs[0] at ids [N, K] (None without ids), entropy of xs[0] [N] (None unless asked)).
 
     ``xs``: X logit blocks ``[N, Vl]`` sharded the same way (the JSD passes student and teacher); ``live`` [N] bool.
     Two collectives in all: an all-reduce MAX of [N, X] and an all-reduce SUM of [N, X + K (+ 1)].
+    ``keep_exp`` [N] (the fused chunk buffer: xs[0] in the compute dtype, no live, no entropy): xs[0] is overwritten
+    in place by exp(z - m) and keep_exp receives 1 / S, so that pi = xs[0] * keep_exp (``logit_grad``'s pi_scale).
     """
     n, w, nx = xs[0].shape[0], shard.width, len(xs)
     k = 0 if ids is None else ids.shape[1]
@@ -85,7 +88,11 @@ def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.T
         buf[:, nx : nx + k] = torch.where(owned, picked, 0.0)
     for rows in chunks:
         for i, x in enumerate(xs):
-            d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
+            if keep_exp is not None and i == 0:  # in the buffer: it becomes exp(z - m)
+                d = x[rows, :w] if tau == 1.0 else x[rows, :w].div_(tau)
+                d.sub_(m[rows, 0:1])
+            else:
+                d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
             if not (entropy and i == 0):
                 buf[rows, i] = d.exp_().sum(-1)
                 continue
@@ -94,17 +101,21 @@ def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.T
             buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
     all_reduce_(buf, dist.ReduceOp.SUM, shard)  # collective 2: sums, owned logits and entropy terms, one message
     lse = m + torch.log(buf[:, :nx])
+    if keep_exp is not None:
+        torch.reciprocal(buf[:, 0], out=keep_exp)
     ent = torch.log(buf[:, 0]) - buf[:, -1] / buf[:, 0] if entropy else None
     return lse, (buf[:, nx : nx + k] if ids is not None else None), ent
 
 
 def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, tau: float, *,
                live: torch.Tensor | None = None, g_entropy: torch.Tensor | None = None,
-               entropy: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               entropy: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               pi_scale: torch.Tensor | None = None) -> torch.Tensor:
     """dL/dx [N, Vl] from g = dL/ds [N, K] (and gE = dL/dE [N] with the entropy E [N]); see the module docstring.
 
     ``lse`` [N] (its dtype is the compute dtype).  ``out``: where to write (default a new tensor in x's dtype);
-    ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer).
+    ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer);
+    ``pi_scale`` [N] with ``out=x``: x holds exp(z - m) from ``lse_and_gather(keep_exp=pi_scale)``, pi = x * pi_scale.
     Padding columns get 0.  No collective.
     """
     dtype = lse.dtype
@@ -121,7 +132,9 @@ def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch
     g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
     in_place = out is x and x.dtype == dtype and live is None and g_entropy is None  # the fused chunk buffer
     for rows in row_chunks(x.shape[0], w):
-        if in_place:  # the same arithmetic, in the buffer: no [n, w] temporary
+        if in_place and pi_scale is not None:  # one pass: pi = exp(z - m) / S, already in the buffer
+            grad = out[rows, :w].mul_(-g_sum[rows] * pi_scale[rows, None])
+        elif in_place:  # the same arithmetic, in the buffer: no [n, w] temporary
             grad = out[rows, :w]
             if tau != 1.0:
                 grad.div_(tau)
