@@ -128,7 +128,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             samp = torch.zeros(B * S, dtype=torch.float32)
             samp[sel] = out_samp
             samp = samp.view(B, S)
-    return TeacherScores(TeacherTopK(top_ids, top_lp) if k else None, samp)
+    return TeacherScores(TeacherTopK(top_ids, top_lp, validated=True) if k else None, samp)  # our own scores
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -421,7 +421,7 @@ def load_cache(path: str | os.PathLike, *, teacher=None, tokenizer=None, expect_
         current["k"] = expect_k
     _compare(path, prov, current)
     _check_cache(path, t, prov)
-    topk = TeacherTopK(t["topk_ids"].long(), t["topk_logprobs"].float()) if "topk_ids" in t else None
+    topk = TeacherTopK(t["topk_ids"].long(), t["topk_logprobs"].float(), validated=True) if "topk_ids" in t else None
     samp = t["sampled_logprobs"].float() if "sampled_logprobs" in t else None
     return {
         "input_ids": t["input_ids"].long(),

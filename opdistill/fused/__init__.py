@@ -7,8 +7,7 @@ from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of
 from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
-from .topk import fused_topk_divergence
-from .weighted import fused_topk_loss
+from .topk import fused_topk_divergence, fused_topk_loss
 
 __all__ = [
     "LMHead",

@@ -30,21 +30,30 @@ UPCAST_BLOCK_BYTES = 32 * 2**20
 MIN_CHUNK_ROWS = 32
 
 
-def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False) -> int:
+def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False, buffers: int = 1) -> int:
     """Rows per chunk: as many as fit ``DEFAULT_CHUNK_BYTES`` of fp32 logits (twice that when ``upcast``: the
     low-precision weight is then converted block by block once per chunk, a cost amortised over the chunk's rows),
     at least ``MIN_CHUNK_ROWS`` (GEMM efficiency) and, when the vocabulary is small next to the hidden size, at least
-    ``hidden // 4`` rows (the chunk's GEMM then costs more than its logits buffer is worth saving); at most N."""
+    ``hidden // 4`` rows (the chunk's GEMM then costs more than its logits buffer is worth saving); at most N.
+    ``buffers``: chunk-sized logit buffers alive at once (the JSD holds student and teacher: 2), dividing the rows."""
     budget = DEFAULT_CHUNK_BYTES * (2 if upcast else 1)
     rows = max(budget // (4 * max(vocab, 1)), MIN_CHUNK_ROWS)
     if vocab < hidden:
         rows = max(rows, hidden // 4)
-    return max(1, min(n_tokens, rows))
+    return max(1, min(n_tokens, max(rows // buffers, MIN_CHUNK_ROWS)))
 
 
-def check_chunk_size(chunk_size) -> None:
+def chunk_rows(chunk_size, hidden: torch.Tensor, weight: torch.Tensor, width: int | None = None,
+               buffers: int = 1) -> int:
+    """``chunk_size`` checked (an int >= 1, or None: ``default_chunk_size`` for hidden ``[..., H]`` and weight
+    ``[V, H]``; ``width``: the hidden size to plan for, default H)."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an int >= 1 or None (automatic), got {chunk_size!r}")
+    if chunk_size is not None:
+        return chunk_size
+    H = hidden.shape[-1]
+    return default_chunk_size(hidden.numel() // max(H, 1), weight.shape[0], width or H,
+                              upcast=needs_upcast(hidden, weight), buffers=buffers)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,16 @@ from ..ops.checks import check_temperature
 from .logprobs import check_linear_inputs
 
 
+def _check_head(x, bias) -> None:
+    """hidden, weight (and bias) as ``check_linear_inputs``, and the logit scale, named after the class."""
+    name = type(x).__name__
+    check_linear_inputs(x.hidden, x.weight, bias, hidden_name=f"{name}.hidden", weight_name=f"{name}.weight",
+                        bias_name=f"{name}.bias")
+    c = x.logit_scale
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+        raise ValueError(f"{name}.logit_scale must be a finite number > 0, got {c!r}")
+
+
 @dataclass(frozen=True)
 class StudentHidden:
     """The student as final hidden states plus its lm_head, in place of logits.
@@ -29,11 +39,7 @@ class StudentHidden:
     logit_scale: float = 1.0
 
     def __post_init__(self):
-        check_linear_inputs(self.hidden, self.weight, self.bias, hidden_name="StudentHidden.hidden",
-                            weight_name="StudentHidden.weight", bias_name="StudentHidden.bias")
-        c = self.logit_scale
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-            raise ValueError(f"StudentHidden.logit_scale must be a finite number > 0, got {c!r}")
+        _check_head(self, self.bias)
 
     def temperature(self, tau: float = 1.0) -> float:
         """The temperature to give the fused ops so that they see logits * logit_scale / tau."""
@@ -50,8 +56,4 @@ class TeacherHidden:
     logit_scale: float = 1.0
 
     def __post_init__(self):
-        check_linear_inputs(self.hidden, self.weight, None, hidden_name="TeacherHidden.hidden",
-                            weight_name="TeacherHidden.weight")
-        c = self.logit_scale
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-            raise ValueError(f"TeacherHidden.logit_scale must be a finite number > 0, got {c!r}")
+        _check_head(self, None)

@@ -19,7 +19,7 @@ import torch
 from ..ops.checks import check_finite_rows, check_temperature, check_unit_interval, compute_dtype
 from ..parallel.shard import VocabShard
 from ..parallel.stages import jsd_logit_grad, jsd_totals, lse_and_gather
-from ._chunks import MIN_CHUNK_ROWS, LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
+from ._chunks import LinearGrads, chunk_logits, chunk_rows
 from .logprobs import check_linear_inputs
 
 
@@ -108,16 +108,12 @@ def fused_generalized_jsd(
             )
     check_unit_interval(beta, "beta")
     check_temperature(temperature)
-    check_chunk_size(chunk_size)
+    # a chunk holds student and teacher logits: two chunk-sized buffers where the top-k path holds one
+    chunk_size = chunk_rows(chunk_size, student_hidden, student_weight,
+                            max(student_hidden.shape[-1], teacher_hidden.shape[-1]), buffers=2)
     lead = tuple(student_hidden.shape[:-1])
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-    if chunk_size is None:
-        # a chunk holds student and teacher logits (two chunk-sized buffers where the top-k path holds one; the
-        # stages' temporaries are bounded by row chunks): half the default rows
-        rows = default_chunk_size(hs.shape[0], Vs, max(hs.shape[1], ht.shape[1]),
-                                  upcast=needs_upcast(hs, student_weight))
-        chunk_size = max(1, min(hs.shape[0], max(rows // 2, MIN_CHUNK_ROWS)))
     loss, lse = FusedJSD.apply(hs, student_weight, student_bias, ht, teacher_weight, float(beta), float(temperature),
                                int(chunk_size))
     if validate:

@@ -29,66 +29,67 @@ import torch
 from ..ops.checks import check_finite_rows, check_float, check_ids_in_range, check_int, check_temperature, compute_dtype
 from ..parallel.shard import VocabShard
 from ..parallel.stages import global_topk, logit_grad, lse_and_gather
-from ._chunks import LinearGrads, check_chunk_size, chunk_logits, default_chunk_size, needs_upcast
+from ._chunks import LinearGrads, chunk_logits, chunk_rows
 
 
-def _rows(live, a, b):
-    return None if live is None else live[a:b]
-
-
-def chunk_stages(shard, h, weight, bias, ids, live, temperature, dtype, student_topk=0, entropy=False):
+def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False, keep_exp=None):
     """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
-    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None)."""
+    unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None).  ``keep_exp``: z
+    is returned as exp(z / tau - m), ``keep_exp`` [c] = 1 / S (``lse_and_gather``)."""
     z = chunk_logits(h, weight, bias, 1.0)
     top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
-    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, live=live, entropy=entropy)
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy, keep_exp=keep_exp)
     return z, top, lse[:, 0], z_at - lse, ent
 
 
 class FusedLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], topk ids [N, k],
-    lse [N]); ``live`` [N] | None marks the rows that count (the others get no gradient)."""
+    """(hidden [N, H], weight [V_local, H], bias [V_local] | None, ids [N, K]) -> (s [N, K], E [N], lse [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, shard, live, temperature, chunk_size, want_entropy, student_topk):
+    def forward(ctx, hidden, weight, bias, ids, shard, temperature, chunk_size, want_entropy):
         N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
         s = torch.empty(ids.shape, dtype=cd, device=hidden.device)
         lse = torch.empty(N, dtype=cd, device=hidden.device)
         ent = torch.empty(N if want_entropy else 0, dtype=cd, device=hidden.device)
-        top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                _, t, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], _rows(live, a, b),
-                                                         temperature, cd, student_topk, want_entropy)
-                if student_topk:
-                    top[a:b] = t
+                _, _, lse[a:b], s[a:b], e = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b], temperature, cd,
+                                                         entropy=want_entropy)
                 if want_entropy:
                     ent[a:b] = e
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent, live)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
         ctx.cfg = (temperature, chunk_size, want_entropy, shard)
-        ctx.mark_non_differentiable(top, lse)
-        return s, ent, top, lse
+        ctx.mark_non_differentiable(lse)
+        return s, ent, lse
 
     @staticmethod
-    def backward(ctx, grad_s, grad_ent, _grad_top, _grad_lse):
-        hidden, weight, bias, ids, lse, ent, live = ctx.saved_tensors
+    def backward(ctx, grad_s, grad_ent, _grad_lse):
+        hidden, weight, bias, ids, lse, ent = ctx.saved_tensors
         temperature, chunk_size, want_entropy, shard = ctx.cfg
-        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
         if not want_entropy or grad_ent is None or not bool(grad_ent.any()):
             grad_ent = None
         if grad_s is None:
             grad_s = torch.zeros(ids.shape, dtype=lse.dtype, device=hidden.device)
-        with torch.no_grad():
-            for a in range(0, hidden.shape[0], chunk_size):
-                b = min(a + chunk_size, hidden.shape[0])
-                z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # recompute one chunk [c, V_local]
-                dz = logit_grad(shard, z, ids[a:b], lse[a:b], grad_s[a:b].to(lse.dtype), temperature,
-                                live=_rows(live, a, b), g_entropy=None if grad_ent is None else grad_ent[a:b],
-                                entropy=ent[a:b] if grad_ent is not None else None, out=z)  # [c, V_local] dL/dz
-                grads.add(slice(a, b), dz)
-                del z, dz
-        return grads.result(shard) + (None,) * 7
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
+        recompute_grads(grads, shard, ids, lse, grad_s.to(lse.dtype), temperature, chunk_size, grad_ent, ent)
+        return grads.result(shard) + (None,) * 5
+
+
+def recompute_grads(grads: LinearGrads, shard, ids, lse, g, temperature, chunk_size, g_entropy=None,
+                    entropy=None) -> None:
+    """Sum into ``grads`` the gradients of every chunk from g = dL/ds [N, K] (and dL/dE): each chunk's logits are
+    recomputed (one GEMM) and overwritten in place by dL/dz (``logit_grad``)."""
+    hidden, weight, bias = grads.inputs
+    with torch.no_grad():
+        for a in range(0, hidden.shape[0], chunk_size):
+            b = min(a + chunk_size, hidden.shape[0])
+            z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # [c, V_local]
+            dz = logit_grad(shard, z, ids[a:b], lse[a:b], g[a:b], temperature,
+                            g_entropy=None if g_entropy is None else g_entropy[a:b],
+                            entropy=None if g_entropy is None else entropy[a:b], out=z)
+            grads.add(slice(a, b), dz)
+            del z, dz
 
 
 def check_linear_inputs(hidden, weight, bias, *, hidden_name="hidden", weight_name="weight", bias_name="bias") -> int:
@@ -138,20 +139,6 @@ def check_fused_rows(lse: torch.Tensor, live: torch.Tensor | None, hidden2d: tor
         check_finite_rows(bad.reshape(lead), name)
 
 
-def fused_logprobs(hidden2d, weight, bias, ids2d, shard, *, live=None, temperature, chunk_size, want_entropy,
-                   student_topk):
-    """Validated-input entry point: ``[N, H]`` and ``[N, K]`` -> (s ``[N, K]``, E ``[N]``, top ids ``[N, k]``, lse
-    ``[N]``).  Rows where ``live`` [N] is False get no gradient; the caller zeroes them in ``hidden``
-    (``topk.topk_inputs``), since the weight gradient sums dL/dz^T h over the rows and 0 * NaN is NaN."""
-    if chunk_size is None:
-        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], hidden2d.shape[1],
-                                        upcast=needs_upcast(hidden2d, weight))
-    return FusedLogprobs.apply(
-        hidden2d, weight, bias, ids2d.long(), shard, live, float(temperature), int(chunk_size), bool(want_entropy),
-        int(student_topk),
-    )
-
-
 def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -184,7 +171,7 @@ def fused_token_logprobs(
     if tuple(ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"ids must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got {tuple(ids.shape)}")
     check_temperature(temperature)
-    check_chunk_size(chunk_size)
+    chunk_size = chunk_rows(chunk_size, hidden, weight)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
     shard = weight_shard(weight, group)
@@ -192,8 +179,8 @@ def fused_token_logprobs(
         check_ids_in_range(ids, shard.vocab_size, "ids")
     lead = tuple(ids.shape)
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    s, ent, _, lse = fused_logprobs(h2, weight, bias, ids.reshape(-1, 1), shard, temperature=temperature,
-                                    chunk_size=chunk_size, want_entropy=return_entropy, student_topk=0)
+    s, ent, lse = FusedLogprobs.apply(h2, weight, bias, ids.reshape(-1, 1).long(), shard, float(temperature),
+                                      int(chunk_size), return_entropy)
     if validate:
         check_fused_rows(lse, None, h2, lead)
     s = s.reshape(lead)

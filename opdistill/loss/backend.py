@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..fused import (StudentHidden, TeacherHidden, fused_generalized_jsd, fused_token_logprobs, fused_topk_divergence,
                      fused_topk_loss)
 from ..ops import generalized_jsd, token_logprobs, topk_divergence
 from ..ops.checks import check_float
-from ..parallel.shard import zero_masked_rows
+from ..parallel.shard import is_dtensor, zero_masked_rows
 from ..parallel import vocab_parallel_generalized_jsd, vocab_parallel_token_logprobs, vocab_parallel_topk_divergence
 from .signals import TeacherLogits
 
@@ -126,14 +125,6 @@ def fused_backend(group=None) -> Backend:
 
 
 # -- the one dispatch ----------------------------------------------------------------------------------------------
-def _is_dtensor(x) -> bool:
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
-
-
 def select_backend(student, *, vocab_group=None, vocab_size: int | None = None) -> Backend:
     """The back-end for ``student``: a ``StudentHidden`` -> fused (weight rows sharded over ``vocab_group`` when
     given); logits with ``vocab_group`` or ``vocab_size``, or a DTensor -> vocab-parallel; other logits -> plain."""
@@ -146,6 +137,6 @@ def select_backend(student, *, vocab_group=None, vocab_size: int | None = None) 
         return fused_backend(vocab_group)
     if not isinstance(student, torch.Tensor):
         raise TypeError(f"student must be logits (a torch.Tensor or DTensor) or a StudentHidden, got {type(student).__name__}")
-    if vocab_group is not None or vocab_size is not None or _is_dtensor(student):
+    if vocab_group is not None or vocab_size is not None or is_dtensor(student):
         return vocab_parallel_backend(vocab_group, vocab_size)
     return PLAIN

@@ -13,6 +13,8 @@ refuses to run without a ``GlobalBatch``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..batch import GlobalBatch, aggregate
@@ -191,15 +193,17 @@ class DistillationLoss:
         ids = torch.where(keep, ids, torch.zeros_like(ids))
         lp = torch.where(keep, lp, float("-inf"))
         kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
-                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature)
+                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
+                  validate="student" if teacher.validated else True)
         precomputed = None
         if backend.weighted_topk is not None and not cfg.use_policy_gradient:
             # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while
             # each chunk's logits are alive (no recompute in backward)
             weights = _aggregation_weights(m, cfg.loss_agg_mode, batch, cu_seqlens, group, student.hidden)
             precomputed, res = backend.weighted_topk(student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp, **kw)
-        else:
-            res = backend.topk(student, ids, lp, **kw)
+        else:  # policy gradient reads the per-token loss detached: no graph (the fused op then skips its gradients)
+            with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
+                res = backend.topk(student, ids, lp, **kw)
         k = ids.shape[-1]
         metrics.add_mean("distillation/student_mass", res.student_mass, m)
         metrics.add_extrema("distillation/student_mass", res.student_mass, m)

@@ -92,24 +92,16 @@ def check_teacher_logprobs(logprobs: torch.Tensor, name: str, *, allow_neg_inf: 
         )
 
 
-def check_topk_inputs(
-    student_logits: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    *,
-    support: str,
-    divergence: str,
-    beta: float,
-    log_prob_min_clamp,
-    temperature: float,
-    vocab_size: int | None = None,
-    validate: bool = True,
-) -> None:
+def check_topk_inputs(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *,
+                      support: str, divergence: str, beta: float, log_prob_min_clamp, temperature: float,
+                      vocab_size: int | None = None, validate: bool | str = True) -> None:
     """Every check of ``topk_divergence`` (and its vocab-parallel / fused variants).
 
     ``vocab_size`` is the true vocabulary when ``student_logits`` is only a shard (or absent); ids are checked
     against it.  ``validate=False`` skips the checks that read tensor values (ids in range, teacher log-probs, mass,
-    duplicates: each a device-to-host sync), keeping those of types, shapes and arguments.  Raises before any math.
+    duplicates: each a device-to-host sync), keeping those of types, shapes and arguments; ``validate="student"`` skips
+    them too (the teacher signal was checked where it was made: ``TeacherTopK(validated=True)``) while the op still
+    checks the student's values.  Raises before any math.
     """
     check_choice(support, "support", SUPPORTS)
     check_choice(divergence, "divergence", DIVERGENCES)
@@ -157,7 +149,7 @@ def check_topk_inputs(
         raise ValueError(f"teacher_ids must have K >= 1 slots per token, got K={K}")
     if K > vocab_size:
         raise ValueError(f"teacher_ids has K={K} slots but the vocabulary has only V={vocab_size} tokens (need K <= V)")
-    if not validate:
+    if validate is not True:
         return
     check_ids_in_range(teacher_ids, vocab_size, "teacher_ids")
     check_teacher_logprobs(teacher_logprobs, "teacher_logprobs", allow_neg_inf=True)

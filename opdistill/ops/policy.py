@@ -34,15 +34,9 @@ def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_
         raise ValueError(f"clip_ratio_c must be a number > 1 (dual-clip bound), got {clip_ratio_c!r}")
 
 
-def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-) -> PolicyLossResult:
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                  clip_ratio_c: float = 3.0) -> PolicyLossResult:
     """Per-token dual-clip PPO surrogate; see the module docstring for the formula."""
     check_float(logprobs, "logprobs")
     check_float(old_logprobs, "old_logprobs")

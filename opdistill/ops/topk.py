@@ -92,15 +92,9 @@ def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=-1)
 
 
-def topk_loss_from_logprobs(
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    *,
-    support: str,
-    divergence: str,
-    beta: float = 0.5,
-    log_prob_min_clamp: float | None = None,
-) -> torch.Tensor:
+def topk_loss_from_logprobs(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, support: str,
+                            divergence: str, beta: float = 0.5,
+                            log_prob_min_clamp: float | None = None) -> torch.Tensor:
     """Per-token loss from s_k = log pi(i_k) and l_k = log nu(i_k) ([..., K] each; l = -inf marks an empty slot).
 
     truncated/forward   L = max(0, sum_k nu'_k (l'_k - s'_k)),  primes: clamp_min(log_prob_min_clamp) if set
@@ -145,15 +139,17 @@ def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
     return loss.clamp_min(0.0)
 
 
-def finish_topk(
-    loss: torch.Tensor,
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    student_topk_ids: torch.Tensor,
-    log_prob_min_clamp: float | None,
-    lead: tuple,
-) -> TopKResult:
+def is_member(ids: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[..., K] bool: ``ids[..., k]`` is one of the ids of its row of ``ref`` [..., R] (R >= 1), in O((K + R) log R):
+    sort ``ref`` by id, binary-search each id, compare the id found (not the [..., K, R] all-pairs comparison)."""
+    ref, ids = ref.to(ids.dtype).sort(dim=-1).values, ids.contiguous()
+    at = torch.searchsorted(ref, ids).clamp_max(ref.shape[-1] - 1)
+    return ref.gather(-1, at) == ids
+
+
+def finish_topk(loss: torch.Tensor, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                teacher_ids: torch.Tensor, student_topk_ids: torch.Tensor, log_prob_min_clamp: float | None,
+                lead: tuple) -> TopKResult:
     """The ``TopKResult`` of every back-end from the per-token loss and the ``[N, K]`` stages' outputs (detached).
 
     Q = sum_k pi(i_k), P = sum_k nu(i_k) over the non-empty slots, unclamped.  The overlap is T cap S with S the
@@ -170,8 +166,7 @@ def finish_topk(
         if log_prob_min_clamp is not None:
             s = s.clamp_min(log_prob_min_clamp)
             t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
-        in_student_topk = (teacher_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(-1)  # [..., K]
-        overlap = valid & in_student_topk
+        overlap = valid & is_member(teacher_ids, student_topk_ids)
         count = overlap.sum(-1)
         t_safe = torch.where(overlap, t, 0.0)
         s_safe = torch.where(overlap, s, 0.0)
@@ -190,7 +185,7 @@ def topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> TopKResult:
     """Per-token top-k distillation divergence between the teacher's top-k and the student's distribution.
 
@@ -207,32 +202,22 @@ def topk_divergence(
         validate: refuse NaN/+inf student logits in a row that has a non-empty slot (``ValueError`` naming the first
             such position); False skips every check that reads tensor values (this one and those of the teacher
             signal: ids in range, log-probs, mass, duplicates; each a device-to-host sync) for hot loops whose
-            inputs are known to be valid.  Rows with no
-            non-empty slot (masked) are zeroed either way: their values never reach the loss or a gradient.
+            inputs are known to be valid; ``"student"`` keeps the student check and skips the teacher's (a signal
+            checked where it was made, ``TeacherTopK(validated=True)``).  Rows with no non-empty slot (masked) are
+            zeroed either way: their values never reach the loss or a gradient.
 
     ``support="truncated", divergence="forward"`` equals verl 0.9.1's FSDP ``forward_kl_topk`` followed by its
     ``clamp_min(0)``, in value and gradient.  Returns a ``TopKResult`` of per-token tensors.
     """
-    check_topk_inputs(
-        student_logits,
-        teacher_ids,
-        teacher_logprobs,
-        support=support,
-        divergence=divergence,
-        beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp,
-        temperature=temperature,
-        validate=validate,
-    )
+    kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
+    check_topk_inputs(student_logits, teacher_ids, teacher_logprobs, temperature=temperature, validate=validate, **kw)
     ids = teacher_ids.long()
     live = (teacher_logprobs > float("-inf")).any(-1)  # [...] rows with a non-empty slot
     s, lse = student_logprobs_at(student_logits, ids, temperature, live)  # [..., K], [...]
     if validate:
         check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
-    loss = topk_loss_from_logprobs(
-        s, t, support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp
-    )
+    loss = topk_loss_from_logprobs(s, t, **kw)
     # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
     student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
     return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape))

@@ -9,22 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.checks import (
-    check_finite_rows,
-    check_logits,
-    check_same_shape,
-    check_temperature,
-    check_unit_interval,
-    compute_dtype,
-)
-from ..ops.divergence import divergence_grad
+from ..ops.checks import (check_finite_rows, check_logits, check_same_shape, check_temperature, check_unit_interval,
+                          compute_dtype)
 from .shard import VocabShard, resolve_shard
 from .stages import jsd_logit_grad, jsd_totals, lse_and_gather
-
-
-def jsd_logprob_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
-    """a_j = d/ds_j of the summand of ``jsd_from_logprobs(s, t, beta)``: ``ops.divergence.divergence_grad``."""
-    return divergence_grad(t, s, "jsd", beta)
 
 
 class VocabParallelGeneralizedJSD(torch.autograd.Function):

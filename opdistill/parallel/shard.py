@@ -95,7 +95,7 @@ def _dtensor_shard(x, name: str):
     return x.to_local(), group, int(offset[-1]), x.shape[-1]
 
 
-def _is_dtensor(x) -> bool:
+def is_dtensor(x) -> bool:
     if not dist.is_available():  # builds without torch.distributed have no DTensor either
         return False
     from torch.distributed.tensor import DTensor
@@ -109,8 +109,8 @@ def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logi
         raise TypeError(f"{name} must be a torch.Tensor or DTensor, got {type(logits).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
-    is_dtensor = _is_dtensor(logits)
-    if is_dtensor:
+    dtensor = is_dtensor(logits)
+    if dtensor:
         if group is not None:
             raise ValueError(f"{name} is a DTensor: its mesh gives the group; pass group=None")
         local, group, start, global_v = _dtensor_shard(logits, name)
@@ -133,7 +133,7 @@ def resolve_shard(logits, group, vocab_size: int | None, name: str = "local_logi
             )
     width = max(0, min(local.shape[-1], V - start))
     return VocabShard(group=group, size=size, rank=rank, start=start, width=width, vocab_size=V,
-                      local_width=local.shape[-1], equal_widths=not is_dtensor, local=local)
+                      local_width=local.shape[-1], equal_widths=not dtensor, local=local)
 
 
 # -- collectives: each is skipped for a group of one rank ---------------------------------------------------------
@@ -180,7 +180,7 @@ def row_chunks(rows: int, width: int):
 def zero_masked_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``where(keep[..., None], x, 0)`` for logits ``[..., V]`` or a DTensor sharded on its last dim (applied to the
     local shard): what a masked position holds (padding garbage, NaN) then reaches no value and no gradient."""
-    if _is_dtensor(x):
+    if is_dtensor(x):
         from torch.distributed.tensor import DTensor
 
         local = torch.where(keep.unsqueeze(-1), x.to_local(), 0.0)

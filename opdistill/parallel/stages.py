@@ -60,20 +60,16 @@ def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor,
     return owned, torch.where(owned, ids - shard.start, 0)
 
 
-def lse_and_gather(
-    shard: VocabShard,
-    xs: tuple[torch.Tensor, ...],
-    ids: torch.Tensor | None,
-    tau: float,
-    dtype: torch.dtype,
-    *,
-    live: torch.Tensor | None = None,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.Tensor | None, tau: float,
+                   dtype: torch.dtype, *, live: torch.Tensor | None = None, entropy: bool = False,
+                   keep_exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                  torch.Tensor | None]:
     """(lse [N, X], z/tau of xs[0] at ids [N, K] (None without ids), entropy of xs[0] [N] (None unless asked)).
 
     ``xs``: X logit blocks ``[N, Vl]`` sharded the same way (the JSD passes student and teacher); ``live`` [N] bool.
     Two collectives in all: an all-reduce MAX of [N, X] and an all-reduce SUM of [N, X + K (+ 1)].
+    ``keep_exp`` [N] (the fused chunk buffer: xs[0] in the compute dtype, no live, no entropy): xs[0] is overwritten
+    in place by exp(z - m) and keep_exp receives 1 / S, so that pi = xs[0] * keep_exp (``logit_grad``'s pi_scale).
     """
     n, w, nx = xs[0].shape[0], shard.width, len(xs)
     k = 0 if ids is None else ids.shape[1]
@@ -92,34 +88,34 @@ def lse_and_gather(
         buf[:, nx : nx + k] = torch.where(owned, picked, 0.0)
     for rows in chunks:
         for i, x in enumerate(xs):
-            d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
+            if keep_exp is not None and i == 0:  # in the buffer: it becomes exp(z - m)
+                d = x[rows, :w] if tau == 1.0 else x[rows, :w].div_(tau)
+                d.sub_(m[rows, 0:1])
+            else:
+                d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
+            if not (entropy and i == 0):
+                buf[rows, i] = d.exp_().sum(-1)
+                continue
             e = torch.exp(d)
             buf[rows, i] = e.sum(-1)
-            if entropy and i == 0:
-                buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
+            buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
     all_reduce_(buf, dist.ReduceOp.SUM, shard)  # collective 2: sums, owned logits and entropy terms, one message
     lse = m + torch.log(buf[:, :nx])
+    if keep_exp is not None:
+        torch.reciprocal(buf[:, 0], out=keep_exp)
     ent = torch.log(buf[:, 0]) - buf[:, -1] / buf[:, 0] if entropy else None
     return lse, (buf[:, nx : nx + k] if ids is not None else None), ent
 
 
-def logit_grad(
-    shard: VocabShard,
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    lse: torch.Tensor,
-    g: torch.Tensor,
-    tau: float,
-    *,
-    live: torch.Tensor | None = None,
-    g_entropy: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, tau: float, *,
+               live: torch.Tensor | None = None, g_entropy: torch.Tensor | None = None,
+               entropy: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               pi_scale: torch.Tensor | None = None) -> torch.Tensor:
     """dL/dx [N, Vl] from g = dL/ds [N, K] (and gE = dL/dE [N] with the entropy E [N]); see the module docstring.
 
     ``lse`` [N] (its dtype is the compute dtype).  ``out``: where to write (default a new tensor in x's dtype);
-    ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer).
+    ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer);
+    ``pi_scale`` [N] with ``out=x``: x holds exp(z - m) from ``lse_and_gather(keep_exp=pi_scale)``, pi = x * pi_scale.
     Padding columns get 0.  No collective.
     """
     dtype = lse.dtype
@@ -134,17 +130,25 @@ def logit_grad(
     owned, local = owned_local_ids(shard, ids)
     g_owned = torch.where(owned, g, 0.0).to(dtype)  # [N, K] other ranks' ids add 0 at local index 0
     g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
+    in_place = out is x and x.dtype == dtype and live is None and g_entropy is None  # the fused chunk buffer
     for rows in row_chunks(x.shape[0], w):
-        logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
-        pi = torch.exp(logp)
-        if g_entropy is None:
-            grad = (-g_sum[rows]) * pi
+        if in_place and pi_scale is not None:  # one pass: pi = exp(z - m) / S, already in the buffer
+            grad = out[rows, :w].mul_(-g_sum[rows] * pi_scale[rows, None])
+        elif in_place:  # the same arithmetic, in the buffer: no [n, w] temporary
+            grad = out[rows, :w]
+            if tau != 1.0:
+                grad.div_(tau)
+            grad.sub_(lse[rows, None]).exp_().mul_(-g_sum[rows])
+        elif g_entropy is None:
+            grad = (-g_sum[rows]) * torch.exp(block(x, rows, w, tau, dtype, live) - lse[rows, None])
         else:  # -(sum g) pi - gE pi (log pi + E)
-            grad = pi * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
+            logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
+            grad = torch.exp(logp) * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
         grad.scatter_add_(1, local[rows], g_owned[rows])  # duplicates add up, as in gather's backward
         if tau != 1.0:
-            grad = grad / tau
-        out[rows, :w] = grad.to(out.dtype)
+            grad.div_(tau)
+        if not in_place:
+            out[rows, :w] = grad.to(out.dtype)
     return out
 
 
@@ -197,18 +201,8 @@ def jsd_totals(
     return all_reduce_(totals, dist.ReduceOp.SUM, shard)
 
 
-def jsd_logit_grad(
-    shard: VocabShard,
-    xs: torch.Tensor,
-    xt: torch.Tensor,
-    lse: torch.Tensor,
-    A: torch.Tensor,
-    grad: torch.Tensor,
-    tau: float,
-    beta: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def jsd_logit_grad(shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor, A: torch.Tensor,
+                   grad: torch.Tensor, tau: float, beta: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """dJ/dxs [N, Vl] for the incoming grad [N]: the log-softmax backward of phi with the all-reduced A,
 
         dJ/dxs_j = grad * (1/tau) * (a_j - pi_j A),     pi_j = exp(s_j)

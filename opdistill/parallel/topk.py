@@ -68,7 +68,7 @@ def vocab_parallel_topk_divergence(
     beta: float = 0.5,
     log_prob_min_clamp: float | None = None,
     temperature: float = 1.0,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> TopKResult:
     """``topk_divergence`` with the student logits sharded on the vocabulary dim over ``group``.
 
@@ -87,15 +87,11 @@ def vocab_parallel_topk_divergence(
     """
     shard = resolve_shard(local_logits, group, vocab_size)
     x = shard.local
-    check_topk_inputs(
-        x, teacher_ids, teacher_logprobs, support=support, divergence=divergence, beta=beta,
-        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, vocab_size=shard.vocab_size, validate=validate,
-    )
-    lead, K = tuple(x.shape[:-1]), teacher_ids.shape[-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    ids = teacher_ids.reshape(-1, K).long()
     kwargs = dict(support=support, divergence=divergence, beta=float(beta), log_prob_min_clamp=log_prob_min_clamp)
-    t = teacher_logprobs.reshape(-1, K)
+    check_topk_inputs(x, teacher_ids, teacher_logprobs, temperature=temperature, vocab_size=shard.vocab_size,
+                      validate=validate, **kwargs)
+    lead, K = tuple(x.shape[:-1]), teacher_ids.shape[-1]
+    x2, ids, t = x.reshape(-1, x.shape[-1]), teacher_ids.reshape(-1, K).long(), teacher_logprobs.reshape(-1, K)
     loss, s, lse = VocabParallelTopKLoss.apply(x2, ids, t, shard, float(temperature), kwargs)
     if validate:
         check_finite_rows((~torch.isfinite(lse) & (t > float("-inf")).any(-1)).reshape(lead), "local_logits")

@@ -147,7 +147,8 @@ def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict, ctx: DistCon
     scores = cache["scores"]
     data = StepData(cache["input_ids"][idx], cache["attention_mask"][idx], cache["response_mask"][idx],
                     teacher_topk=None if scores.topk is None else TeacherTopK(scores.topk.ids[idx],
-                                                                            scores.topk.logprobs[idx]),
+                                                                            scores.topk.logprobs[idx],
+                                                                            validated=scores.topk.validated),
                     teacher_sampled=None if scores.sampled_logprobs is None else scores.sampled_logprobs[idx])
     (tokens,) = ctx.sum([float(data.response_mask.sum())])
     return data, {"train/response_len": tokens / rows, "time/rollout_s": 0.0, "time/teacher_s": 0.0,

@@ -98,7 +98,8 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
         return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
     cfg = loss_fn.config
     if cfg.loss_mode == "topk":
-        teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L])
+        v = data.teacher_topk.validated
+        teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L], validated=v)
     elif cfg.loss_mode == "sampled":
         teacher = TeacherSampled(data.teacher_sampled[idx, :L])
         student = loss_fn.backend(student).masked_token_logprobs(student, tgt, m, temperature=cfg.temperature)
