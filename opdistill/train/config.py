@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig", "EvalConfig",
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "RolloutConfig", "TeacherConfig", "OptimConfig", "TrainConfig", "EvalConfig",
            "CheckpointConfig", "LogConfig", "TrainerConfig", "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -73,6 +73,13 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     min_new_tokens: int = Field(0, ge=0)  # EOS masked before this many response tokens
     batch_size: Optional[int] = Field(None, ge=1)  # prompts decoded together; None = all at once
+    # -- inference engine, mismatch correction (docs/engines.md) --
+    engine: Literal["hf", "vllm"] = "hf"  # who samples the student's rollouts (vllm: the [vllm] extra)
+    tis_cap: Optional[float] = Field(None, ge=1)  # truncated importance sampling: weight min(pi_train/pi_sampler, cap)
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share of each colocated vLLM engine
+    vllm_sleep: bool = True  # GPU: put the engines to sleep between rollouts (training gets the memory back)
+    vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: prompt length + max_new_tokens rounded up
+    vllm_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: VLLM_CPU_KVCACHE_SPACE of each engine (GiB)
 
     @model_validator(mode="after")
     def _min_within_max(self):
@@ -80,6 +87,11 @@ class RolloutConfig(_Section):
             raise ConfigError(f"rollout.min_new_tokens: expected an integer in [0, rollout.max_new_tokens="
                               f"{self.max_new_tokens}], got {self.min_new_tokens}")
         return self
+
+
+class TeacherConfig(_Section):
+    # -- teacher engine (docs/engines.md) --
+    engine: Literal["hf", "vllm"] = "hf"  # who scores the teacher's top-k / sampled-token log-probs (at temperature 1)
 
 
 class OptimConfig(_Section):
@@ -131,6 +143,7 @@ class TrainerConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    teacher: TeacherConfig = TeacherConfig()
     loss: DistillationConfig = Field(default_factory=DistillationConfig)  # built by load_config (see _loss)
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
@@ -167,6 +180,20 @@ class TrainerConfig(_Section):
         if method == "rl" or lc.use_task_rewards:
             need(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
                  "a column name: rewards need a verifier (method rl or loss.use_task_rewards)", self.data.answer_field)
+        rc = self.rollout
+        if rc.engine == "vllm" or self.teacher.engine == "vllm":
+            need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",
+                 "unset with a vllm engine (vLLM loads models from folders)", self.model.student_from_teacher_layers)
+        if rc.engine == "vllm":
+            need(method != "off_policy", "rollout.engine", "hf with method off_policy (the teacher writes the samples)",
+                 rc.engine)
+            need(rc.min_new_tokens == 0, "rollout.min_new_tokens", "0 with rollout.engine vllm", rc.min_new_tokens)
+        if self.teacher.engine == "vllm":
+            need(method != "rl", "teacher.engine", "hf with method rl (no teacher)", self.teacher.engine)
+            need(self.data.teacher_cache is None, "teacher.engine", "hf with data.teacher_cache", self.teacher.engine)
+        if rc.tis_cap is not None:
+            need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
+                 rc.tis_cap)
         if lc.use_task_rewards:
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
         return self
