@@ -78,7 +78,7 @@ class RolloutConfig(_Section):
     tis_cap: Optional[float] = Field(None, ge=1)  # truncated importance sampling: weight min(pi_train/pi_sampler, cap)
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share of each colocated vLLM engine
     vllm_sleep: bool = True  # GPU: put the engines to sleep between rollouts (training gets the memory back)
-    vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: prompt length + max_new_tokens rounded up
+    vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
     vllm_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: VLLM_CPU_KVCACHE_SPACE of each engine (GiB)
 
     @model_validator(mode="after")
@@ -184,6 +184,8 @@ class TrainerConfig(_Section):
         if rc.engine == "vllm" or self.teacher.engine == "vllm":
             need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",
                  "unset with a vllm engine (vLLM loads models from folders)", self.model.student_from_teacher_layers)
+            need(self.model.dtype != "float64", "model.dtype", "float32, bfloat16 or float16 with a vllm engine",
+                 self.model.dtype)
         if rc.engine == "vllm":
             need(method != "off_policy", "rollout.engine", "hf with method off_policy (the teacher writes the samples)",
                  rc.engine)

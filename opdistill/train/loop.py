@@ -26,10 +26,10 @@ import torch
 
 from opdistill import DistillationLoss, TeacherTopK, shift_for_next_token
 from opdistill.fused import check_lm_head
+from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
-from opdistill.rollout import generate_rollouts
-from opdistill.teacher import TeacherCacheError, load_cache, score_teacher
+from opdistill.teacher import TeacherCacheError, load_cache
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.evaluate import evaluate
@@ -134,8 +134,10 @@ def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict):
                   "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * rows, total))}
 
 
-def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None):
+def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None,
+             engines: EngineSet | None = None):
     """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics)."""
+    engines = engines or EngineSet()  # rollout.engine / teacher.engine (opdistill/engines/vllm.py); default: HF
     if cache is not None:
         return _collect_from_cache(cfg, step, cache)
     rc, method = cfg.rollout, cfg.train.method
@@ -144,17 +146,17 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     torch.manual_seed(cfg.train.seed * 1_000_003 + step)
     t0 = time.perf_counter()
     writer = teacher if method == "off_policy" else student
-    ro = generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                           max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
-                           batch_size=rc.batch_size, seed=cfg.train.seed, step=step)
+    ro = engines.generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
+                                   top_k=rc.top_k, max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
+                                   batch_size=rc.batch_size, seed=cfg.train.seed, step=step)
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
     if method != "rl":
         targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
         lc = cfg.loss
-        scores = score_teacher(teacher, ro.input_ids, ro.attention_mask,
-                               k=lc.topk if lc.loss_mode == "topk" else None,
-                               sampled_ids=targets if lc.loss_mode == "sampled" else None)
+        scores = engines.score_teacher(teacher, ro.input_ids, ro.attention_mask,
+                                       k=lc.topk if lc.loss_mode == "topk" else None,
+                                       sampled_ids=targets if lc.loss_mode == "sampled" else None)
         data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
@@ -277,12 +279,14 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps)
+        engines = EngineSet()
 
         evaluate_now = functools.partial(run_eval, cfg, tok, student, teacher, task, held_out)
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok)
 
         try:
+            engines = open_engines(cfg, tok, student, resolve_model_path)  # after the checkpoint load: its weights
             if state.step == 0 and cfg.eval.num_prompts:
                 logger.log(0, state.record_eval(evaluate_now()))
             while state.step < cfg.train.steps:
@@ -290,12 +294,14 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                     break
                 state.step += 1
                 t0 = time.perf_counter()
-                data, metrics = _collect(cfg, state.step, tok, student, teacher, task, source, cache)
+                data, metrics = _collect(cfg, state.step, tok, student, teacher, task, source, cache, engines)
                 t1 = time.perf_counter()
                 metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
                                           bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
-                                          pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head))
+                                          pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head,
+                                          mismatch=engines.mismatch))
+                engines.sync(student)  # the new weights into a vLLM student engine, in place
                 state.count_update(applied=not metrics["train/nonfinite"])
                 metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
                 metrics["train/lr"] = scheduler.get_last_lr()[0]
@@ -321,6 +327,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
                 save(step=state.step, state=state.to_saved())
                 state.last_save = state.step
         finally:
+            engines.close()
             logger.close()
     return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
             "final_eval": state.eval_history[-1] if state.eval_history else {}}
