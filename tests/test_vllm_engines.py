@@ -212,7 +212,7 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
     loop.run_training(cfg, models=(tok, trained, teacher), quiet=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rollout/logprob_diff_mean" in r]
-    assert len(steps) == 3 and len(pushes) == 3  # one push per optimizer step
+    assert len(steps) == 3 and len(pushes) == 1 + 3  # the start weights, then one push per optimizer step
     for r in steps:
         assert 0 <= r["rollout/logprob_diff_mean"] < LP_TOL and r["rollout/logprob_diff_max"] < 10 * LP_TOL
         assert r["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
