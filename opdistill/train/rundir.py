@@ -47,6 +47,7 @@ RESUMABLE_KEYS = (
     "eval.*",
     "log.*",
     "checkpoint.*",
+    "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
