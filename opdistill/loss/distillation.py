@@ -31,11 +31,14 @@ def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
                          mask: torch.Tensor, batch: GlobalBatch, *, loss_agg_mode: str = "token-mean",
                          clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                          cu_seqlens: torch.Tensor | None = None, group=None,
-                         prefix: str = "policy/") -> tuple[torch.Tensor, MetricSums]:
+                         prefix: str = "policy/", token_weights: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, MetricSums]:
     """Aggregated PPO-clip loss for task rewards (e.g. GRPO advantages), with exact metrics.
 
     Masked positions are zeroed before the surrogate so garbage there cannot reach a gradient; a NaN/inf at a valid
     position of any of the three inputs raises a ``ValueError`` naming the input and the first bad position.
+    ``token_weights`` ``[...]`` (detached; e.g. truncated importance-sampling weights): each token's surrogate is
+    multiplied by its weight before the aggregation.
     Metrics: ``{prefix}loss`` (this micro-batch's share of the step objective), ``{prefix}clipfrac`` (the clip
     branch was active), ``{prefix}clipfrac_lower`` (the dual clip was active).
     """
@@ -57,7 +60,8 @@ def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
     )
-    loss = aggregate(res.loss, m, loss_agg_mode, batch, cu_seqlens=cu_seqlens, group=group)
+    per_token = res.loss if token_weights is None else res.loss * _weights(token_weights, m, res.loss.dtype)
+    loss = aggregate(per_token, m, loss_agg_mode, batch, cu_seqlens=cu_seqlens, group=group)
     metrics = MetricSums()
     metrics.add_sum(f"{prefix}loss", loss.detach() / batch.dp_size)
     metrics.add_mean(f"{prefix}clipfrac", res.clipped.double(), m)
@@ -87,7 +91,8 @@ class DistillationLoss:
     def __call__(self, student, teacher: TeacherTopK | TeacherSampled | TeacherLogits, mask: torch.Tensor,
                  batch: GlobalBatch, *, sampled_ids: torch.Tensor | None = None,
                  old_logprobs: torch.Tensor | None = None, task_advantages: torch.Tensor | None = None,
-                 cu_seqlens: torch.Tensor | None = None, group=None) -> tuple[torch.Tensor, MetricSums]:
+                 cu_seqlens: torch.Tensor | None = None, group=None,
+                 token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, MetricSums]:
         """Return ``(loss, metrics)`` for one micro-batch.
 
         student: logits ``[..., V]`` (or this rank's vocabulary shard, see ``__init__``), or a ``StudentHidden``
@@ -100,6 +105,9 @@ class DistillationLoss:
         sampled_ids ``[...]``: the sampled tokens (policy gradient / task rewards, sampled mode from hidden states).
         old_logprobs ``[...]``: the sampler's log-probs (policy gradient / task rewards).
         task_advantages ``[...]``: per-token task advantages (use_task_rewards).
+        token_weights ``[...]``: per-token weights (detached; truncated importance sampling, docs/engines.md): each
+            token's distillation loss (or policy-gradient surrogate) and task surrogate is multiplied by its weight
+            before the aggregation; the metrics stay unweighted.
         """
         cfg = self.config
         if not isinstance(batch, GlobalBatch):
@@ -127,7 +135,8 @@ class DistillationLoss:
             student = self._logprobs(backend, student, sampled_ids, m, "with loss_mode='sampled' and a StudentHidden student")
 
         metrics = MetricSums()
-        per_token, precomputed = self._per_token(backend, student, teacher, m, metrics, batch, cu_seqlens, group)
+        w = None if token_weights is None else _weights(token_weights, m, torch.float64)
+        per_token, precomputed = self._per_token(backend, student, teacher, m, metrics, batch, cu_seqlens, group, w)
         metrics.add_extrema("distillation/loss", per_token, m)  # -> loss_min / loss_max, before the clamp
         if cfg.loss_max_clamp is not None:
             c = cfg.loss_max_clamp
@@ -145,15 +154,17 @@ class DistillationLoss:
                    clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:
             distill, pg_metrics = policy_gradient_loss(logprob, old_logprobs, -per_token.detach(), m, batch,
-                                                       prefix="distillation/pg_", **agg)
+                                                       prefix="distillation/pg_", token_weights=w, **agg)
             metrics.merge(pg_metrics)
         else:
             distill = precomputed if precomputed is not None else aggregate(
-                per_token, m, cfg.loss_agg_mode, batch, cu_seqlens=cu_seqlens, group=group)
+                per_token if w is None else per_token * w.to(per_token.dtype), m, cfg.loss_agg_mode, batch,
+                cu_seqlens=cu_seqlens, group=group)
         metrics.add_sum("distillation/loss", distill.detach() / batch.dp_size)
         if not cfg.use_task_rewards:
             return distill, metrics
-        task, task_metrics = policy_gradient_loss(logprob, old_logprobs, task_advantages, m, batch, prefix="task/", **agg)
+        task, task_metrics = policy_gradient_loss(logprob, old_logprobs, task_advantages, m, batch, prefix="task/",
+                                                  token_weights=w, **agg)
         metrics.merge(task_metrics)
         total = task + cfg.distillation_coef * distill
         metrics.add_sum("loss/total", total.detach() / batch.dp_size)
@@ -168,7 +179,7 @@ class DistillationLoss:
             raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
         return backend.masked_token_logprobs(student, sampled_ids, m, temperature=self.config.temperature)
 
-    def _per_token(self, backend: Backend, student, teacher, m, metrics: MetricSums, batch, cu_seqlens, group):
+    def _per_token(self, backend: Backend, student, teacher, m, metrics: MetricSums, batch, cu_seqlens, group, w=None):
         """(the per-token divergence, with masked positions sanitised (they may hold padding garbage), and the
         aggregated clamped loss when the back-end computed it in its forward pass, else None)."""
         cfg = self.config
@@ -200,6 +211,8 @@ class DistillationLoss:
             # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while
             # each chunk's logits are alive (no recompute in backward)
             weights = _aggregation_weights(m, cfg.loss_agg_mode, batch, cu_seqlens, group, student.hidden)
+            if w is not None:
+                weights = weights * w.to(weights.dtype)
             precomputed, res = backend.weighted_topk(student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp, **kw)
         else:  # policy gradient reads the per-token loss detached: no graph (the fused op then skips its gradients)
             with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
@@ -212,6 +225,17 @@ class DistillationLoss:
         metrics.add_ratio("distillation/overlap_ratio", res.overlap_count[m].sum(), k * int(m.sum()))
         metrics.add_mean("distillation/overlap_token_advantage", res.overlap_token_advantage, m & (res.overlap_count > 0))
         return res.loss, precomputed
+
+
+def _weights(token_weights: torch.Tensor, m: torch.Tensor, dtype) -> torch.Tensor:
+    """Checked, detached per-token weights (0 where masked) in ``dtype``."""
+    check_float(token_weights, "token_weights")
+    if token_weights.shape != m.shape:
+        raise ValueError(f"token_weights must have the shape of mask {tuple(m.shape)}, got {tuple(token_weights.shape)}")
+    w = torch.where(m, token_weights.detach(), 0.0)
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError("token_weights must be finite and >= 0 where mask is 1")
+    return w.to(dtype)
 
 
 def _aggregation_weights(m, mode, batch, cu_seqlens, group, like: torch.Tensor) -> torch.Tensor:

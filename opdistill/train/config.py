@@ -27,7 +27,7 @@ from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherServiceConfig", "TrainerConfig",
+           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "TrainerConfig",
            "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -111,6 +111,13 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     min_new_tokens: int = Field(0, ge=0)  # EOS masked before this many response tokens
     batch_size: Optional[int] = Field(None, ge=1)  # prompts decoded together; None = all at once
+    # -- inference engine, mismatch correction (docs/engines.md) --
+    engine: Literal["hf", "vllm"] = "hf"  # who samples the student's rollouts (vllm: the [vllm] extra)
+    tis_cap: Optional[float] = Field(None, ge=1)  # truncated importance sampling: weight min(pi_train/pi_sampler, cap)
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share of each colocated vLLM engine
+    vllm_sleep: bool = True  # GPU: put the engines to sleep between rollouts (training gets the memory back)
+    vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
+    vllm_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: VLLM_CPU_KVCACHE_SPACE of each engine (GiB)
 
     @model_validator(mode="after")
     def _min_within_max(self):
@@ -196,9 +203,15 @@ class DistributedConfig(_Section):
     tp_size: int = Field(1, ge=1, le=1)  # tensor (vocab) parallel size of the student's lm_head: only 1 for now
 
 
-class TeacherServiceConfig(_Section):
-    """A remote teacher (``opdistill serve-teacher``; docs/teacher_service.md): with ``url`` set, on-policy steps are
-    scored by the server instead of an in-process teacher (model.teacher is then not loaded)."""
+class TeacherConfig(_Section):
+    """Where the teacher's scores come from: in process (``engine: hf``, default), a vLLM engine in process
+    (``engine: vllm``; docs/engines.md), or a remote server (``url``: ``opdistill serve-teacher`` or a stock
+    ``vllm serve``; docs/teacher_service.md): with ``url`` set, on-policy steps are scored by the server and
+    model.teacher is not loaded."""
+
+    # -- teacher engine (docs/engines.md) --
+    engine: Literal["hf", "vllm"] = "hf"  # who scores the teacher's top-k / sampled-token log-probs (at temperature 1)
+    # -- teacher service (docs/teacher_service.md) --
 
     url: Optional[str] = None  # http(s)://host:port of an `opdistill serve-teacher` server (TLS by the scheme)
     token_file: Optional[str] = None  # file holding the server's bearer token
@@ -221,6 +234,7 @@ class TrainerConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    teacher: TeacherConfig = TeacherConfig()  # engine, or a remote teacher server
     loss: DistillationConfig = Field(default_factory=DistillationConfig)  # built by load_config (see _loss)
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
@@ -228,7 +242,6 @@ class TrainerConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
-    teacher: TeacherServiceConfig = TeacherServiceConfig()
 
     @model_validator(mode="after")
     def _rules(self):
@@ -265,6 +278,24 @@ class TrainerConfig(_Section):
         if method == "rl" or lc.use_task_rewards:
             need(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
                  "a column name: rewards need a verifier (method rl or loss.use_task_rewards)", self.data.answer_field)
+        rc = self.rollout
+        if rc.engine == "vllm" or self.teacher.engine == "vllm":
+            need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",
+                 "unset with a vllm engine (vLLM loads models from folders)", self.model.student_from_teacher_layers)
+            need(self.model.dtype != "float64", "model.dtype", "float32, bfloat16 or float16 with a vllm engine",
+                 self.model.dtype)
+        if rc.engine == "vllm":
+            need(method != "off_policy", "rollout.engine", "hf with method off_policy (the teacher writes the samples)",
+                 rc.engine)
+            need(rc.min_new_tokens == 0, "rollout.min_new_tokens", "0 with rollout.engine vllm", rc.min_new_tokens)
+        if self.teacher.engine == "vllm":
+            need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
+                 self.teacher.engine)
+            need(method != "rl", "teacher.engine", "hf with method rl (no teacher)", self.teacher.engine)
+            need(self.data.teacher_cache is None, "teacher.engine", "hf with data.teacher_cache", self.teacher.engine)
+        if rc.tis_cap is not None:
+            need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
+                 rc.tis_cap)
         if lc.use_task_rewards:
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
         return self

@@ -29,11 +29,12 @@ import torch
 
 from opdistill import DistillationLoss, TeacherTopK, shift_for_next_token
 from opdistill.fused import check_lm_head
+from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
 from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
-from opdistill.rollout import generate_rollouts
 from opdistill.teacher import TeacherCacheError, load_cache
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.errors import ConfigError
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, init_distributed, wrap_student
 from opdistill.train.evaluate import evaluate
@@ -156,10 +157,12 @@ def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict, ctx: DistCon
 
 
 def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None,
-             ctx: DistContext = DistContext()):
+             ctx: DistContext = DistContext(), engines: EngineSet | None = None):
     """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics).
     ``student``: the module to decode with. Under data parallelism this rank's share of the step's prompts (all
-    ``rollout.n`` samples of each: a GRPO group stays on one rank), keyed by their global index; metrics reduced."""
+    ``rollout.n`` samples of each: a GRPO group stays on one rank), keyed by their global index; metrics reduced.
+    ``engines``: rollout.engine / teacher.engine (opdistill/engines/vllm.py); default: our sampler, HF scoring."""
+    engines = engines or EngineSet()
     if cache is not None:
         return _collect_from_cache(cfg, step, cache, ctx)
     rc, method = cfg.rollout, cfg.train.method
@@ -169,13 +172,13 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     torch.manual_seed(cfg.train.seed * 1_000_003 + step)
     t0 = time.perf_counter()
     writer = teacher if method == "off_policy" else student
-    ro = generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                           max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
-                           batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset)
+    ro = engines.generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
+                                   top_k=rc.top_k, max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
+                                   batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset)
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
-    if method != "rl":
-        scores = score_rollouts(teacher, ro, cfg.loss, step)  # in process, or the teacher.url server
+    if method != "rl":  # in process, a vLLM teacher engine, or the teacher.url server
+        scores = score_rollouts(engines.teacher or teacher, ro, cfg.loss, step)
         data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
@@ -320,6 +323,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                            progress=cfg.log.progress and not quiet, total_steps=cfg.train.steps,
                            wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step)) \
             if ctx.is_main else NullLogger()
+        engines = EngineSet()
 
         def evaluate_now() -> dict:
             return run_eval(cfg, tok, ctx.rollout_model(student), remote or teacher, task, held_out, ctx)
@@ -329,6 +333,10 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                                  keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.group)
 
         try:
+            if ctx.world > 1 and "vllm" in (cfg.rollout.engine, cfg.teacher.engine):
+                raise ConfigError("rollout.engine / teacher.engine: vllm engines run in one process in this version "
+                                  "(one engine per rank under torchrun is not wired yet); use hf with torchrun")
+            engines = open_engines(cfg, tok, student, resolve_model_path)  # after the checkpoint load: its weights
             if state.step == 0 and cfg.eval.num_prompts:
                 logger.log(0, state.record_eval(evaluate_now()))
             while state.step < cfg.train.steps:
@@ -337,13 +345,14 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                 state.step += 1
                 t0 = time.perf_counter()
                 data, metrics = _collect(cfg, state.step, tok, ctx.rollout_model(student), remote or teacher, task,
-                                         source, cache, ctx)
+                                         source, cache, ctx, engines)
                 t1 = time.perf_counter()
                 metrics.update(train_step(student, optimizer, data, method=cfg.train.method, loss_fn=loss_fn,
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
                                           bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
                                           pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head,
-                                          group=ctx.group))
+                                          group=ctx.group, mismatch=engines.mismatch))
+                engines.sync(student)  # the new weights into a vLLM student engine, in place
                 state.count_update(applied=not metrics["train/nonfinite"])
                 metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
                 metrics["train/lr"] = scheduler.get_last_lr()[0]
@@ -369,6 +378,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                 save(step=state.step, state={**state.to_saved(), "config": cfg_dict})
                 state.last_save = state.step
         finally:
+            engines.close()
             logger.close()
             if remote is not None:
                 remote.close()

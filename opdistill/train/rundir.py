@@ -53,6 +53,7 @@ RESUMABLE_KEYS = (
     "teacher.timeout_s",
     "teacher.retries",
     "teacher.backoff_s",
+    "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).

@@ -19,7 +19,8 @@ from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled
 from opdistill.fused import causal_lm_hidden
 from opdistill.loss import select_backend
 
-__all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step"]
+__all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step", "rollout_mismatch",
+           "tis_weights"]
 
 
 @dataclass
@@ -31,6 +32,39 @@ class StepData:
     teacher_sampled: torch.Tensor | None = None  # [B, S] teacher log-prob of token t+1
     sampler_logprobs: torch.Tensor | None = None  # [B, S] old log-probs (next-token layout)
     advantages: torch.Tensor | None = None  # [B] per-sequence advantage (broadcast over its tokens)
+
+
+def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights ``min(exp(log pi_train - log pi_sampler), cap)``, detached (verl's and
+    TRL's TIS): the per-token correction for tokens drawn by a sampler whose numerics differ from the trainer's."""
+    return torch.exp(train_logprobs.detach() - sampler_logprobs.detach()).clamp(max=cap)
+
+
+@torch.no_grad()
+def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logprobs: torch.Tensor, *,
+                     temperature: float, tis_cap: float | None):
+    """The trainer's own log-probs of the sampled tokens (at the rollout temperature, the distribution the sampler
+    reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``.
+
+    Metrics: ``rollout/logprob_diff_mean`` and ``rollout/logprob_diff_max`` (``|log pi_train - log pi_sampler|``
+    over response tokens); with ``tis_cap`` also ``rollout/tis_weight_mean`` and ``rollout/tis_clipfrac`` (the cap
+    was active). With ``tis_cap`` the policy-gradient "old" log-probs become the trainer's own (detached), so the
+    PPO ratio measures the update only and the sampler/trainer gap is corrected by the weight alone (verl's TIS);
+    without it everything is left as it was."""
+    train_lp = select_backend(student).masked_token_logprobs(student, tgt, m, temperature=temperature)
+    if train_lp.dtype not in (torch.float32, torch.float64):
+        train_lp = train_lp.float()
+    old = torch.where(m, sampler_logprobs.to(train_lp.dtype), 0.0)
+    diff = (train_lp - old).abs()
+    metrics = MetricSums()
+    metrics.add_mean("rollout/logprob_diff_mean", diff.double(), m)
+    metrics.add_extrema("rollout/logprob_diff", diff.double(), m)
+    if tis_cap is None:
+        return sampler_logprobs, None, metrics
+    w = torch.where(m, tis_weights(train_lp, old, tis_cap), 0.0)
+    metrics.add_mean("rollout/tis_weight_mean", w.double(), m)
+    metrics.add_mean("rollout/tis_clipfrac", (torch.exp(train_lp - old) > tis_cap).double(), m)
+    return train_lp, w, metrics
 
 
 def token_budget_split(lengths: list[int], budget: int) -> list[list[int]]:
@@ -85,7 +119,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1
 
 
 def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepData, rows, L, targets, mask, batch,
-                pg_kwargs):
+                pg_kwargs, mismatch: dict | None = None):
     """``student`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer);
     ``select_backend`` picks the ops for either, here and inside ``DistillationLoss``."""
     idx = torch.tensor(rows)
@@ -93,9 +127,19 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
     m = mask[idx, :L]
     old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
+    weights, mm_metrics = None, None
+    if mismatch is not None and old is not None:
+        old, weights, mm_metrics = rollout_mismatch(student, tgt, m, old, **mismatch)
     if method == "rl":
         lp = select_backend(student).masked_token_logprobs(student, tgt, m, temperature=1.0)
-        return policy_gradient_loss(lp, old, adv, m, batch, **pg_kwargs)
+        loss, metrics = policy_gradient_loss(lp, old, adv, m, batch, token_weights=weights, **pg_kwargs)
+        return loss, metrics if mm_metrics is None else metrics.merge(mm_metrics)
+    loss, metrics = _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weights,
+                                  group=pg_kwargs.get("group"))
+    return loss, metrics if mm_metrics is None else metrics.merge(mm_metrics)
+
+
+def _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weights, *, group=None):
     cfg = loss_fn.config
     if cfg.loss_mode == "topk":
         v = data.teacher_topk.validated
@@ -106,11 +150,11 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
     else:
         raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
     return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv,
-                   group=pg_kwargs.get("group"))
+                   group=group, token_weights=weights)
 
 
 def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs, *, bf16: bool,
-                fused_lm_head: bool, sums: MetricSums) -> torch.Tensor:
+                fused_lm_head: bool, sums: MetricSums, mismatch: dict | None = None) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; its metrics merged into ``sums``; returns the detached loss."""
     L = max(lengths[r] for r in rows)
     idx = torch.tensor(rows)
@@ -123,7 +167,7 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
             student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
     if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
         student = student.float()  # bf16 autocast: the losses upcast, do it once here
-    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs)
+    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs, mismatch)
     loss.backward()
     sums.merge(metrics)
     return loss.detach().float()
@@ -132,13 +176,16 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
 def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
                micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
                loss_scale_factor: float | None = None, pg_kwargs: dict | None = None,
-               fused_lm_head: bool = False, group=None) -> dict:
+               fused_lm_head: bool = False, group=None, mismatch: dict | None = None) -> dict:
     """Run one optimizer step on ``data``; return the exact step metrics (dict of floats).
 
     ``fused_lm_head``: run the student's backbone only and hand its hidden states and lm_head to the fused losses
     (``opdistill.fused``): same loss, gradients and metrics, no [tokens, vocab] logits buffer.
     ``group``: the data-parallel group (``model`` wrapped by FSDP2 or DDP; ``data`` is this rank's rows): one
-    ``GlobalBatch`` and the metrics are reduced over it, every rank runs the same number of micro-batches."""
+    ``GlobalBatch`` and the metrics are reduced over it, every rank runs the same number of micro-batches.
+    ``mismatch``: ``dict(temperature=, tis_cap=)`` -- measure the sampler/trainer log-prob mismatch on the step's
+    own forward (``rollout_mismatch``) and, with ``tis_cap``, weight the losses by truncated importance sampling
+    (needs ``data.sampler_logprobs`` from the student's own rollouts; None: neither)."""
     model.train()
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
@@ -158,7 +205,7 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         last = i == len(micro) - 1
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             loss = _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs or {},
-                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums)
+                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums, mismatch=mismatch)
         loss_sum = loss_sum + loss
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = _grad_norm(params, grad_clip)

