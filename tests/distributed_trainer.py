@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from opdistill.engines import vllm as engines  # EngineSet: the loop's rollouts go through its generate_rollouts
 from opdistill.train import loop
 from opdistill.train.config import load_config
 
 
 def record_rollouts(sink: dict):
-    """Wrap ``loop.generate_rollouts`` so that each call's rows (their tokens, keyed by step and global prompt index)
+    """Wrap the sampler the loop's ``EngineSet`` calls (``opdistill.engines.vllm.generate_rollouts``) so that each call's rows (their tokens, keyed by step and global prompt index)
     land in ``sink``; returns a function that restores the original."""
-    original = loop.generate_rollouts
+    original = engines.generate_rollouts
 
     def recording(*args, step, prompt_offset=0, **kwargs):
         ro = original(*args, step=step, prompt_offset=prompt_offset, **kwargs)
@@ -29,8 +30,8 @@ def record_rollouts(sink: dict):
             sink.setdefault(str(step), {}).setdefault(str(prompt_offset + p), []).append(tokens)
         return ro
 
-    loop.generate_rollouts = recording
-    return lambda: setattr(loop, "generate_rollouts", original)
+    engines.generate_rollouts = recording
+    return lambda: setattr(engines, "generate_rollouts", original)
 
 
 def run_plan(rank: int, world: int, out_dir: str) -> None:
