@@ -97,12 +97,12 @@ def step(method: str, h, w, ids, lp):
         raise ValueError(method)
 
 
-def worker(method: str, n: int, dtype_name: str) -> dict:
+def worker(method: str, n: int, dtype_name: str, hidden: int = H) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    wh, ww, wi, wl = make_inputs(64, dtype, vocab=4096)
+    wh, ww, wi, wl = make_inputs(64, dtype, vocab=4096, hidden=hidden)
     step(method, wh, ww, wi, wl)  # warm-up: thread pools, kernels (small shapes, little memory)
     del wh, ww, wi, wl
-    h, w, ids, lp = make_inputs(n, dtype)
+    h, w, ids, lp = make_inputs(n, dtype, hidden=hidden)
     base = rss_bytes()
     grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -118,30 +118,41 @@ def main() -> None:
     ap.add_argument("--ns", type=int, nargs="*", help="override the token counts")
     ap.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"])
     ap.add_argument("--methods", nargs="*", default=list(METHODS))
-    ap.add_argument("--worker", nargs=3, metavar=("METHOD", "N", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--hidden", type=int, default=H, help=f"hidden size H (default {H})")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over all configurations (interleaved, fresh process each); the table shows medians")
+    ap.add_argument("--worker", nargs=4, metavar=("METHOD", "N", "DTYPE", "HIDDEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.worker[2])))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.worker[2], int(args.worker[3]))))
         return
     ns = args.ns or ([256, 1024] if args.quick else [1024, 4096])
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rows = []
-    for dtype_name in args.dtypes:
-        for n in ns:
-            for method in args.methods:
-                out = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--worker", method, str(n), dtype_name],
-                    capture_output=True, text=True, env=env,
-                )
-                if out.returncode != 0:
-                    print(f"{method} N={n} {dtype_name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-                    continue
-                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                r = rows[-1]
-                print(f"# done {method:8s} N={n:5d} {dtype_name}: {r['seconds']:.2f}s wall {r['cpu_seconds']:.2f}s cpu "
-                      f"{r['extra_bytes'] / 2**20:.0f} MiB",
-                      file=sys.stderr, flush=True)
-    print(f"H={H} V={V} K={K}, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    runs: dict[tuple, list[dict]] = {}
+    for _ in range(args.repeats):
+        for dtype_name in args.dtypes:
+            for n in ns:
+                for method in args.methods:
+                    out = subprocess.run(
+                        [sys.executable, os.path.abspath(__file__), "--worker", method, str(n), dtype_name,
+                         str(args.hidden)],
+                        capture_output=True, text=True, env=env,
+                    )
+                    if out.returncode != 0:
+                        print(f"{method} N={n} {dtype_name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                        continue
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    runs.setdefault((dtype_name, n, method), []).append(r)
+                    print(f"# done {method:8s} N={n:5d} {dtype_name}: {r['seconds']:.2f}s wall {r['cpu_seconds']:.2f}s "
+                          f"cpu {r['extra_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+
+    def median(rs: list[dict], key: str) -> float:
+        return sorted(r[key] for r in rs)[len(rs) // 2]
+
+    rows = [dict(rs[0], **{k: median(rs, k) for k in ("seconds", "cpu_seconds", "extra_bytes")})
+            for rs in runs.values()]
+    print(f"H={args.hidden} V={V} K={K}, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, "
+          f"medians of {args.repeats}")
     print("| dtype | N | method | wall s | CPU s | x naive | x floor | peak MiB above inputs+grads | x naive | x floor |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     by = {(r["dtype"], r["n"], r["method"]): r for r in rows}
