@@ -294,3 +294,35 @@ def test_errors_and_warnings_carry_the_rank_under_torchrun(tmp_path, monkeypatch
     assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: [rank 1] warning: careful\n"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert _one_line_warning("careful", UserWarning, "f.py", 1) == "opdistill: warning: careful\n"
+
+
+_FOREIGN_GROUP = """
+import json, sys
+import torch.distributed as dist
+from opdistill.train.config import load_config
+from opdistill.train.loop import run_training
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+run_training(load_config(base=json.loads(open(sys.argv[1]).read())), quiet=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_one_process_group_made_by_someone_else_trains_as_one_process(tmp_path):
+    """An in-process vLLM engine (or a user) may have initialized a world-1 process group without torchrun: the
+    trainer then runs as one process (plain modules, the single-process checkpoint layout), not FSDP2 over it."""
+    import socket
+    import subprocess
+    import sys
+
+    cfg = tiny_config_dict(tmp_path, steps=1, eval={"num_prompts": 0}, checkpoint={"every": 1})
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", _FOREIGN_GROUP, str(tmp_path / "cfg.json"), str(port)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
+    assert manifest.get("layout", "single") == "single"

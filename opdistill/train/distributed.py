@@ -163,6 +163,9 @@ def init_distributed(cfg) -> DistContext:
     dc = cfg.distributed
     if not (dist.is_available() and (dist.is_initialized() or launched_by_torchrun())):
         return DistContext()
+    if dist.is_initialized() and dist.get_world_size() == 1 and not launched_by_torchrun():
+        # a one-process group someone else made (an in-process vLLM engine initializes one): train as one process
+        return DistContext()
     owns = False
     if not dist.is_initialized():
         backend = resolve_backend(dc.backend)
