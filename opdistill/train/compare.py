@@ -19,6 +19,7 @@ import yaml
 
 from opdistill.errors import UserError
 from opdistill.train.logger import read_metrics
+from opdistill.train.rundir import flatten_config
 
 __all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "plot_groups", "compare"]
 
@@ -66,17 +67,6 @@ class Group:
     runs: list[Run] = field(default_factory=list)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def load_runs(run_dirs) -> list[Run]:
     runs = []
     for d in run_dirs:
@@ -86,7 +76,7 @@ def load_runs(run_dirs) -> list[Run]:
         config = None
         if (path / "config.yaml").is_file():
             config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        seed = _flat(config).get("train.seed") if config is not None else None
+        seed = flatten_config(config).get("train.seed") if config is not None else None
         runs.append(Run(path, config, read_metrics(path), seed))
     return runs
 
@@ -102,7 +92,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
     groups: list[tuple[object, list[Run]]] = []
     for run in runs:
         key = None if run.config is None else sorted(
-            (k, repr(v)) for k, v in _flat(run.config).items() if k not in _VARY)
+            (k, repr(v)) for k, v in flatten_config(run.config).items() if k not in _VARY)
         for gkey, members in groups:
             if key is not None and gkey == key:
                 members.append(run)

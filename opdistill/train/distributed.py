@@ -33,6 +33,22 @@ __all__ = ["DistContext", "PeerError", "init_distributed", "launched_by_torchrun
            "wrap_student"]
 
 
+def broadcast_text(text: str | None, group) -> str | None:
+    """The group's first rank's ``text`` (or None) on every rank of ``group``, as UTF-8 bytes in two tensor
+    broadcasts (a length, -1 for None, then the bytes): no pickle between ranks (``broadcast_object_list`` unpickles
+    what it receives)."""
+    src = dist.get_global_rank(group, 0)
+    data = None if text is None else torch.tensor(list(text.encode()), dtype=torch.uint8)
+    size = torch.tensor([-1 if data is None else data.numel()], dtype=torch.long)
+    dist.broadcast(size, src=src, group=group)
+    if int(size) < 0:
+        return None
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return bytes(data.tolist()).decode()
+
+
 def launched_by_torchrun() -> bool:
     """True when the environment describes a process group (torchrun, or any launcher setting the same variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -103,13 +119,9 @@ class DistContext:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t)
 
-    def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank (any picklable value)."""
-        if not self.enabled:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+    def broadcast_text(self, text: str | None) -> str | None:
+        """Rank 0's ``text`` on every rank (:func:`broadcast_text`)."""
+        return broadcast_text(text, self.group) if self.enabled else text
 
     def from_main(self, fn, *args, **kwargs):
         """Run ``fn`` on rank 0 only and hand its outcome to every rank: rank 0 returns ``fn``'s result, the others
@@ -123,12 +135,11 @@ class DistContext:
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 -- re-raised below, after the others have heard of it
                 error = e
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        why = broadcast_text(None if error is None else f"{type(error).__name__}: {error}", self.group)
         if error is not None:
             raise error
-        if box[0] is not None:
-            raise PeerError(f"rank 0 stopped the run ({box[0]})")
+        if why is not None:
+            raise PeerError(f"rank 0 stopped the run ({why})")
         return result
 
     # -- the student --------------------------------------------------------------------------------------------

@@ -291,7 +291,8 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
     # rank 0 alone locks the run directory and applies its rules; the others wait for its verdict
     opened = ctx.from_main(_open_run, cfg, resume, overwrite)
     rd, ckpt = opened if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
-    ckpt = ctx.broadcast(ckpt)
+    shared = ctx.broadcast_text(None if ckpt is None else str(ckpt))  # every rank resumes from rank 0's choice
+    ckpt = None if shared is None else Path(shared)
     with rd:
         torch.manual_seed(cfg.train.seed)
         tok, student, teacher = models if models is not None else load_models(cfg)

@@ -32,7 +32,7 @@ from opdistill.errors import UserError
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl", "check_checkpoint_config"]
+           "read_jsonl", "check_checkpoint_config", "flatten_config"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -144,12 +144,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_config(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as ``{"section.key": value}`` (an empty dict stays a value)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_config(v, key + "."))
         else:
             out[key] = v
     return out
@@ -161,7 +162,7 @@ def _resumable(key: str) -> bool:
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     """``{dotted key: (old value, new value)}`` for every key whose value differs (a missing key reads as None)."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten_config(old), flatten_config(new)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
@@ -212,7 +213,7 @@ class RunDir:
         except Exception as e:  # noqa: BLE001 -- any load failure of the stored config is one user-facing refusal
             raise RunError(f"{self.config_path}: the run's config no longer loads ({e}); resume it with the opdistill "
                            f"version that started it, or start a new run") from e
-        flat = _flatten(base)
+        flat = flatten_config(base)
         for row in read_jsonl(self.history_path):
             for key, change in row.get("changes", {}).items():
                 flat[key] = change["to"]
