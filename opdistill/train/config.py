@@ -200,7 +200,7 @@ class DistributedConfig(_Section):
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # how the student is wrapped for data parallelism
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = Field(1800.0, gt=0)  # collective timeout
-    tp_size: int = Field(1, ge=1, le=1)  # tensor (vocab) parallel size of the student's lm_head: only 1 for now
+    tp_size: int = Field(1, ge=1)  # tensor (vocab) parallel size of the student's lm_head (train/tensor_parallel.py)
 
 
 class TeacherConfig(_Section):

@@ -78,6 +78,12 @@ class DistContext:
     mesh: object = None
     strategy: str = "none"  # none | ddp | fsdp2
     owns_group: bool = False  # init_distributed created the process group (and destroys it on close)
+    # distributed.tp_size > 1 (train/tensor_parallel.py): ``group`` and ``mesh`` are then the data-parallel ones,
+    # ``rank``/``world`` stay global; the tp ranks of a dp rank share its rows
+    tp: object = None  # TensorParallel, or None at tp_size 1
+    dp_rank: int | None = None  # None: rank (tp_size 1)
+    dp_world: int | None = None  # None: world
+    all_group: object = None  # every rank (rank 0's verdicts, checkpoints, the time limit); None: group
     _replica: object = field(default=None, repr=False)
     _replica_of: object = field(default=None, repr=False)
 
@@ -89,22 +95,41 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size): the rank and world at tp_size 1."""
+        return (self.rank if self.dp_rank is None else self.dp_rank,
+                self.world if self.dp_world is None else self.dp_world)
+
+    @property
+    def world_group(self):
+        """The group of every rank (the data-parallel group at tp_size 1)."""
+        return self.group if self.all_group is None else self.all_group
+
+    @property
+    def vocab_kwargs(self) -> dict:
+        """``vocab_group``/``vocab_size`` of the student's logits for the losses ({} at tp_size 1)."""
+        return {} if self.tp is None else self.tp.loss_kwargs
+
     def share(self, total: int) -> tuple[int, int]:
-        """(offset, count) of this rank's contiguous share of ``total`` items (``total`` divides by the world)."""
-        n = total // self.world
-        return self.rank * n, n
+        """(offset, count) of this rank's contiguous share of ``total`` items (``total`` divides by the dp size);
+        the same on the tp ranks of one data-parallel rank."""
+        rank, world = self.dp
+        n = total // world
+        return rank * n, n
 
     def split(self, total: int) -> tuple[int, int]:
         """(offset, count) of this rank's contiguous part of ``total`` items, any ``total`` (the first ranks get one
         more when it does not divide)."""
-        base, extra = divmod(total, self.world)
-        start = self.rank * base + min(self.rank, extra)
-        return start, base + (self.rank < extra)
+        rank, world = self.dp
+        base, extra = divmod(total, world)
+        start = rank * base + min(rank, extra)
+        return start, base + (rank < extra)
 
     # -- collectives (no-ops at world size 1) -------------------------------------------------------------------
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.world_group)
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over the ranks, in float64."""
@@ -114,14 +139,15 @@ class DistContext:
         return t.tolist()
 
     def max(self, value: float) -> float:
+        """The maximum over every rank (tp ranks included: a time limit must stop them all at the same step)."""
         t = torch.tensor([value], dtype=torch.float64)
         if self.enabled:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world_group)
         return float(t)
 
     def broadcast_text(self, text: str | None) -> str | None:
         """Rank 0's ``text`` on every rank (:func:`broadcast_text`)."""
-        return broadcast_text(text, self.group) if self.enabled else text
+        return broadcast_text(text, self.world_group) if self.enabled else text
 
     def from_main(self, fn, *args, **kwargs):
         """Run ``fn`` on rank 0 only and hand its outcome to every rank: rank 0 returns ``fn``'s result, the others
@@ -135,7 +161,7 @@ class DistContext:
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 -- re-raised below, after the others have heard of it
                 error = e
-        why = broadcast_text(None if error is None else f"{type(error).__name__}: {error}", self.group)
+        why = broadcast_text(None if error is None else f"{type(error).__name__}: {error}", self.world_group)
         if error is not None:
             raise error
         if why is not None:
@@ -188,20 +214,26 @@ def init_distributed(cfg) -> DistContext:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, owns_group=owns)
     try:
+        from opdistill.train.tensor_parallel import build_mesh, check_tp_config
+
+        dp = check_tp_config(cfg, world)  # the data-parallel size: world / distributed.tp_size
         pps = cfg.data.prompts_per_step
-        if pps % world:
-            raise ConfigError(f"data.prompts_per_step: expected a multiple of the data-parallel size {world} (each "
+        if pps % dp:
+            raise ConfigError(f"data.prompts_per_step: expected a multiple of the data-parallel size {dp} (each "
                               f"rank samples an equal share of the step's prompts), got {pps}")
-        if 0 < cfg.eval.num_prompts < world:
-            raise ConfigError(f"eval.num_prompts: expected 0 or at least the data-parallel size {world} (every rank "
+        if 0 < cfg.eval.num_prompts < dp:
+            raise ConfigError(f"eval.num_prompts: expected 0 or at least the data-parallel size {dp} (every rank "
                               f"evaluates a share), got {cfg.eval.num_prompts}")
         if dc.strategy == "fsdp2" and cfg.train.fused_lm_head:
             raise ConfigError("train.fused_lm_head: not supported with distributed.strategy=fsdp2 (the fused loss "
                               "reads the whole lm_head); use distributed.strategy=ddp or train.fused_lm_head=false")
-        from torch.distributed.device_mesh import init_device_mesh
+        if dc.tp_size > 1:
+            build_mesh(ctx, dc.tp_size)  # (dp, tp): ctx.mesh and ctx.group become the data-parallel ones
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        ctx.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        ctx.group = ctx.mesh.get_group()
+            ctx.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            ctx.group = ctx.mesh.get_group()
     except BaseException:
         ctx.close()
         raise
@@ -233,6 +265,10 @@ def wrap_student(ctx: DistContext, student):
     from torch.distributed.fsdp import fully_shard
 
     ctx._replica = copy.deepcopy(student).requires_grad_(False).eval()
+    if ctx.tp is not None:  # the lm_head (and a tied embedding) sharded on the vocabulary over tp, before FSDP2
+        from opdistill.train.tensor_parallel import shard_student
+
+        shard_student(student, ctx.tp)
     for layer in _decoder_layers(student):
         fully_shard(layer, mesh=ctx.mesh)
     fully_shard(student, mesh=ctx.mesh)

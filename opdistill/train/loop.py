@@ -310,14 +310,14 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         params = [p for p in student.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, oc)  # AdamW, fused where available (opdistill/train/optim.py)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(oc, cfg.train.steps))
-        loss_fn = DistillationLoss(cfg.loss) if cfg.train.method != "rl" else None
+        loss_fn = DistillationLoss(cfg.loss, **ctx.vocab_kwargs) if cfg.train.method != "rl" else None
         cache = open_teacher_cache(cfg, tok, teacher)
         pg_kwargs = dict(loss_agg_mode=cfg.loss.loss_agg_mode, clip_ratio_low=cfg.loss.clip_ratio_low,
                          clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c)
 
         state = RunState()
         if ckpt is not None:
-            state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.group))
+            state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.world_group))
         elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up
             rd.write_config(config_to_dict(cfg))
         logger = RunLogger(rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard,
@@ -331,7 +331,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
 
         cfg_dict = config_to_dict(cfg)  # recorded in every checkpoint: a resume from another run's is refused
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
-                                 keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.group)
+                                 keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
 
         try:
             if ctx.world > 1 and "vllm" in (cfg.rollout.engine, cfg.teacher.engine):
@@ -352,7 +352,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                                           micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=oc.grad_clip,
                                           bf16=cfg.train.bf16, loss_scale_factor=cfg.loss.loss_scale_factor,
                                           pg_kwargs=pg_kwargs, fused_lm_head=cfg.train.fused_lm_head,
-                                          group=ctx.group, mismatch=engines.mismatch))
+                                          group=ctx.group, mismatch=engines.mismatch, vocab=ctx.vocab_kwargs))
                 engines.sync(student)  # the new weights into a vLLM student engine, in place
                 state.count_update(applied=not metrics["train/nonfinite"])
                 metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)

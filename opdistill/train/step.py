@@ -42,7 +42,7 @@ def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, ca
 
 @torch.no_grad()
 def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logprobs: torch.Tensor, *,
-                     temperature: float, tis_cap: float | None):
+                     temperature: float, tis_cap: float | None, vocab: dict | None = None):
     """The trainer's own log-probs of the sampled tokens (at the rollout temperature, the distribution the sampler
     reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``.
 
@@ -51,7 +51,7 @@ def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logpro
     was active). With ``tis_cap`` the policy-gradient "old" log-probs become the trainer's own (detached), so the
     PPO ratio measures the update only and the sampler/trainer gap is corrected by the weight alone (verl's TIS);
     without it everything is left as it was."""
-    train_lp = select_backend(student).masked_token_logprobs(student, tgt, m, temperature=temperature)
+    train_lp = select_backend(student, **(vocab or {})).masked_token_logprobs(student, tgt, m, temperature=temperature)
     if train_lp.dtype not in (torch.float32, torch.float64):
         train_lp = train_lp.float()
     old = torch.where(m, sampler_logprobs.to(train_lp.dtype), 0.0)
@@ -98,6 +98,19 @@ def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
 
 def _grad_norm(params, grad_clip: float | None) -> torch.Tensor:
     """The global gradient norm (clipping to ``grad_clip`` when set); DTensor (FSDP2) shards are reduced."""
+    grads = [p.grad for p in params if p.grad is not None]
+    meshes: dict = {}
+    for g in grads:
+        meshes.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    if len(meshes) > 1:  # FSDP2 (dp mesh) next to a vocab-parallel lm_head (dp x tp mesh): one norm per mesh
+        parts = [torch.nn.utils.get_total_norm(gs) for gs in meshes.values()]
+        norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                     for n in parts]))
+        if grad_clip is not None:
+            coef = float(torch.clamp(grad_clip / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s rule
+            for g in grads:
+                g.mul_(coef)
+        return norm
     if grad_clip is not None:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
@@ -119,7 +132,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1
 
 
 def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepData, rows, L, targets, mask, batch,
-                pg_kwargs, mismatch: dict | None = None):
+                pg_kwargs, mismatch: dict | None = None, vocab: dict | None = None):
     """``student`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer);
     ``select_backend`` picks the ops for either, here and inside ``DistillationLoss``."""
     idx = torch.tensor(rows)
@@ -129,9 +142,9 @@ def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepDat
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
     weights, mm_metrics = None, None
     if mismatch is not None and old is not None:
-        old, weights, mm_metrics = rollout_mismatch(student, tgt, m, old, **mismatch)
+        old, weights, mm_metrics = rollout_mismatch(student, tgt, m, old, **mismatch, vocab=vocab)
     if method == "rl":
-        lp = select_backend(student).masked_token_logprobs(student, tgt, m, temperature=1.0)
+        lp = select_backend(student, **(vocab or {})).masked_token_logprobs(student, tgt, m, temperature=1.0)
         loss, metrics = policy_gradient_loss(lp, old, adv, m, batch, token_weights=weights, **pg_kwargs)
         return loss, metrics if mm_metrics is None else metrics.merge(mm_metrics)
     loss, metrics = _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weights,
@@ -154,7 +167,8 @@ def _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weigh
 
 
 def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs, *, bf16: bool,
-                fused_lm_head: bool, sums: MetricSums, mismatch: dict | None = None) -> torch.Tensor:
+                fused_lm_head: bool, sums: MetricSums, mismatch: dict | None = None,
+                vocab: dict | None = None) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; its metrics merged into ``sums``; returns the detached loss."""
     L = max(lengths[r] for r in rows)
     idx = torch.tensor(rows)
@@ -167,7 +181,8 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
             student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
     if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
         student = student.float()  # bf16 autocast: the losses upcast, do it once here
-    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs, mismatch)
+    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs, mismatch,
+                                vocab)
     loss.backward()
     sums.merge(metrics)
     return loss.detach().float()
@@ -176,7 +191,8 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
 def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
                micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
                loss_scale_factor: float | None = None, pg_kwargs: dict | None = None,
-               fused_lm_head: bool = False, group=None, mismatch: dict | None = None) -> dict:
+               fused_lm_head: bool = False, group=None, mismatch: dict | None = None,
+               vocab: dict | None = None) -> dict:
     """Run one optimizer step on ``data``; return the exact step metrics (dict of floats).
 
     ``fused_lm_head``: run the student's backbone only and hand its hidden states and lm_head to the fused losses
@@ -185,7 +201,9 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     ``GlobalBatch`` and the metrics are reduced over it, every rank runs the same number of micro-batches.
     ``mismatch``: ``dict(temperature=, tis_cap=)`` -- measure the sampler/trainer log-prob mismatch on the step's
     own forward (``rollout_mismatch``) and, with ``tis_cap``, weight the losses by truncated importance sampling
-    (needs ``data.sampler_logprobs`` from the student's own rollouts; None: neither)."""
+    (needs ``data.sampler_logprobs`` from the student's own rollouts; None: neither).
+    ``vocab``: ``dict(vocab_group=, vocab_size=)`` when ``model``'s logits are this rank's vocabulary shard
+    (``distributed.tp_size > 1``, train/tensor_parallel.py): every log-prob and loss then runs vocab-parallel."""
     model.train()
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
@@ -205,7 +223,7 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
         last = i == len(micro) - 1
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             loss = _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs or {},
-                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums, mismatch=mismatch)
+                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums, mismatch=mismatch, vocab=vocab)
         loss_sum = loss_sum + loss
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = _grad_norm(params, grad_clip)
