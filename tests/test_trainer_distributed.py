@@ -25,13 +25,14 @@ import pytest
 import torch
 import yaml
 
+from opdistill.data import CARRY_ADD_CHARS
 from opdistill.errors import ConfigError
 from opdistill.train import loop
 from opdistill.train.config import load_config
 from opdistill.train.logger import read_metrics
 from tests.distributed_trainer import record_rollouts
 from tests.parallel_launch import launch
-from tests.trainer_helpers import tiny_config_dict
+from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
@@ -50,7 +51,23 @@ def _configs(tmp: Path) -> dict:
     rl = tiny_config_dict(tmp, method="rl", steps=3, rollout={"n": 4, "max_new_tokens": 12}, **common)
     rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4,
                   "answer_match": "contains"}
-    return {"on": on, "off": off, "rl": rl}
+    # sampled-token loss (k3) on models of an odd vocabulary (19 = carry_add's 18 + one unused id): under tp 2 the
+    # lm_head shards are 10 and 9 rows wide, the second padded to 10 columns (train/tensor_parallel.py)
+    v19 = tmp / "v19"
+    v19.mkdir()
+    make_model_dir(v19 / "teacher", hidden=32, layers=2, seed=1, chars=CARRY_ADD_CHARS + "#")
+    make_model_dir(v19 / "student", hidden=16, layers=1, seed=2, chars=CARRY_ADD_CHARS + "#")
+    sampled = tiny_config_dict(v19, method="on_policy", steps=3, **common)
+    sampled["loss"] = {"loss_mode": "sampled", "estimator": "k3"}
+    # float64: the tp runs' exactness (and their checkpoints) at 1e-9, out of reach of fp32 rounding, which Adam at
+    # lr 1e-2 amplifies step by step (fp32 tp vs world 1: ~1e-7 at step 1, ~3e-5 at step 4; fp64: ~1e-15)
+    on64 = {**on, "model": {**on["model"], "dtype": "float64"}}
+    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64}
+
+
+def _tp(cfg: dict, tp: int = 2, steps: int | None = None) -> dict:
+    out = {**cfg, "distributed": {**cfg.get("distributed", {}), "tp_size": tp}}
+    return out if steps is None else {**out, "train": {**cfg["train"], "steps": steps}}
 
 
 def _with_run_dir(cfg: dict, run_dir: Path) -> dict:
@@ -61,11 +78,11 @@ def _losses(run_dir, key="distillation/loss"):
     return [(r["step"], r[key], r["train/grad_norm"]) for r in read_metrics(run_dir) if key in r]
 
 
-def _assert_close_rows(got, want):
+def _assert_close_rows(got, want, rel=REL):
     assert [s for s, *_ in got] == [s for s, *_ in want]
     for (s, *g), (_, *w) in zip(got, want):
         for a, b in zip(g, w):
-            assert a == pytest.approx(b, rel=REL, abs=1e-12), (s, g, w)
+            assert a == pytest.approx(b, rel=rel, abs=1e-12), (s, g, w)
 
 
 def _eval_rows(run_dir):
@@ -99,7 +116,8 @@ def runs(tmp_path_factory):
     """The world-2 launch and the world-1 runs of the same configs; returns (tmp, configs, world-1 tokens)."""
     tmp = tmp_path_factory.mktemp("dist")
     cfgs = _configs(tmp)
-    tokens1 = {"on": _run_world1("on", cfgs["on"], tmp / "w1_on")}  # first: the launch resumes its checkpoint
+    tokens1 = {name: _run_world1(name, cfgs[name], tmp / f"w1_{name}") for name in ("on", "on64")}  # first: the
+    # launch resumes their checkpoints
     plan = [
         {"name": "on", "config": _with_run_dir(cfgs["on"], tmp / "w2_on")},
         {"name": "on_resume", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_resume"), "resume": True,
@@ -108,12 +126,23 @@ def runs(tmp_path_factory):
          "prepare_resume_from": str(tmp / "w1_on"), "resume_step": 2},
         {"name": "off", "config": _with_run_dir(cfgs["off"], tmp / "w2_off")},
         {"name": "rl", "config": _with_run_dir(cfgs["rl"], tmp / "w2_rl")},
+        # distributed.tp_size=2 on the same 2 processes: a 1 x 2 (dp x tp) mesh, vocab-parallel lm_head
+        {"name": "tp_on", "config": _with_run_dir(_tp(cfgs["on"], steps=3), tmp / "tp_on")},
+        {"name": "tp_rl", "config": _with_run_dir(_tp(cfgs["rl"]), tmp / "tp_rl")},
+        {"name": "tp_sampled", "config": _with_run_dir(_tp(cfgs["sampled"]), tmp / "tp_sampled")},
+        {"name": "tp_on64", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_on64")},
+        {"name": "tp_on64_resume", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_on64_resume"),
+         "resume": True, "prepare_resume_from": str(tmp / "tp_on64"), "resume_step": 2},
+        {"name": "tp_from_1", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_from_1"), "resume": True,
+         "prepare_resume_from": str(tmp / "w1_on64"), "resume_step": 2},
     ]
     out = tmp / "out"
     out.mkdir()
     (out / "plan.json").write_text(json.dumps(plan))
+    t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
-    for name in ("off", "rl"):
+    print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
+    for name in ("off", "rl", "sampled"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
@@ -174,6 +203,114 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     assert state["step"] == 4
     for (n, a), (m, b) in zip(exported.state_dict().items(), from_dcp.state_dict().items()):
         assert n == m and torch.equal(a, b), n
+
+
+# -- distributed.tp_size > 1: vocab-parallel lm_head (train/tensor_parallel.py) ------------------------------------
+
+def _tp_tokens(out: Path, name: str, ranks=(0, 1)) -> dict:
+    """The tokens of a run whose ranks all sample the same rows (one data-parallel rank): equal on every rank."""
+    per_rank = [json.loads((out / f"{name}_tokens_rank{r}.json").read_text()) for r in ranks]
+    assert all(t == per_rank[0] for t in per_rank[1:]), "the tp ranks of one dp rank sampled different rows"
+    return per_rank[0]
+
+
+@pytest.mark.parametrize("name,ref", [("tp_on", "on"), ("tp_rl", "rl"), ("tp_sampled", "sampled"),
+                                      ("tp_on64", "on64")])
+def test_tp2_samples_and_losses_equal_world1(runs, name, ref):
+    """1 x 2 (dp x tp) against one process: on_policy with the top-k tail loss, rl (policy gradient on the sampled
+    tokens' log-probs) and the sampled-token k3 loss on an odd vocabulary (uneven shards), in fp32 over 3 steps to
+    1e-5 relative; on_policy in fp64 over 4 steps to 1e-9. Tied embeddings (the tiny models tie them)."""
+    tmp, _, tokens1 = runs
+    key = "policy/loss" if ref == "rl" else "distillation/loss"
+    w1, tp = _losses(tmp / f"w1_{ref}", key)[:3 if name == "tp_on" else None], _losses(tmp / name, key)
+    assert len(w1) >= 3 and all(gn > 0 for *_, gn in w1)
+    _assert_close_rows(tp, w1, rel=1e-9 if ref == "on64" else REL)
+    tokens = _tp_tokens(tmp / "out", name)
+    assert tokens == {s: p for s, p in tokens1[ref].items() if int(s) <= len(w1)}
+    assert [r["step"] for r in read_metrics(tmp / name) if "train/grad_norm" in r] == list(range(1, len(w1) + 1))
+    if name == "tp_on64":  # evaluation (before the first and after the last step) on the full-lm_head replica
+        rows, want = _eval_rows(tmp / name), _eval_rows(tmp / f"w1_{ref}")
+        assert len(rows) == len(want) == 2 and set(rows[0]) == set(want[0])
+        for a, b in zip(rows, want):
+            for k in b:
+                assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+
+
+def test_tp2_checkpoints_resume_and_export_the_full_lm_head(runs):
+    """A tp checkpoint resumes at tp 2 and at world 1 (DCP reshards the vocabulary shards), a data-parallel
+    checkpoint resumes at tp 2, and the exported transformers folder holds the full (tied) lm_head."""
+    tmp, cfgs, _ = runs
+    full = _losses(tmp / "w1_on64")
+    assert len(full) == 4
+    _assert_close_rows(_losses(tmp / "tp_on64_resume"), full, rel=1e-9)  # tp checkpoint at tp 2
+    _assert_close_rows(_losses(tmp / "tp_from_1"), full, rel=1e-9)  # world 1's one-process checkpoint at tp 2
+    w1 = tmp / "w1_from_tp"
+    shutil.copytree(tmp / "tp_on64", w1)
+    for c in (w1 / "checkpoints").iterdir():
+        if int(c.name.split("_")[1]) > 2:
+            shutil.rmtree(c)
+    loop.run_training(load_config(base=_with_run_dir(cfgs["on64"], w1)), resume=True, quiet=True)
+    _assert_close_rows(_losses(w1), full, rel=1e-9)  # the tp checkpoint at world 1
+    from transformers import AutoModelForCausalLM
+
+    from opdistill.train.checkpoint import load_checkpoint
+
+    ckpt = tmp / "tp_on64" / "checkpoints" / "step_00000004"
+    assert json.loads((ckpt / "manifest.json").read_text())["layout"] == "dcp"
+    exported = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    reference = AutoModelForCausalLM.from_pretrained(tmp / "w1_on64" / "checkpoints" / "step_00000004",
+                                                     dtype=torch.float64)
+    from_dcp = AutoModelForCausalLM.from_pretrained(cfgs["on64"]["model"]["student"], dtype=torch.float64)
+    load_checkpoint(ckpt, from_dcp)
+    head = exported.get_output_embeddings().weight
+    assert head.shape == (18, 16) and head.data_ptr() == exported.get_input_embeddings().weight.data_ptr()
+    for (n, a), (_, b), (_, c) in zip(exported.state_dict().items(), reference.state_dict().items(),
+                                      from_dcp.state_dict().items(), strict=True):
+        assert torch.equal(a, c), n  # the export holds exactly the sharded state's weights
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), n  # ... which are world 1's
+
+
+def test_2x2_mesh_on_4_processes_equals_world1(runs):
+    """2 x 2 (dp x tp) on 4 gloo processes (fp64, 3 steps): each dp rank's two tp ranks sample its 2 prompts
+    alike, and the per-step losses and gradient norms are world 1's to 1e-9."""
+    tmp, cfgs, tokens1 = runs
+    out = tmp / "out4"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps([{"name": "tp4", "config": _with_run_dir(_tp(cfgs["on64"], steps=3),
+                                                                                     tmp / "tp4")}]))
+    t0 = time.monotonic()
+    launch("tests.distributed_trainer:run_plan", 4, str(out))
+    print(f"2x2 launch: {time.monotonic() - t0:.1f} s")
+    merged: dict = {}
+    for dp_ranks in ((0, 1), (2, 3)):  # the mesh is row-major: ranks 2d, 2d + 1 form dp rank d's tp group
+        for step, prompts in _tp_tokens(out, "tp4", dp_ranks).items():
+            for p, rows in prompts.items():
+                assert p not in merged.setdefault(step, {}), "a prompt sampled on two dp ranks"
+                merged[step][p] = rows
+    assert merged == {s: p for s, p in tokens1["on64"].items() if int(s) <= 3}
+    _assert_close_rows(_losses(tmp / "tp4"), _losses(tmp / "w1_on64")[:3], rel=1e-9)
+
+
+def _tp_config(**over):
+    return load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
+                             "eval": {"num_prompts": 0}, "loss": {"loss_mode": "topk", "topk": 4}, **over})
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"distributed": {"tp_size": 3}},
+     "distributed.tp_size: expected a divisor of the world size 2 (the ranks form a (data-parallel, "
+     "tensor-parallel) mesh of 2 / tp_size x tp_size), got 3"),
+    ({"distributed": {"tp_size": 2}, "train": {"fused_lm_head": True}},
+     "train.fused_lm_head: not supported with distributed.tp_size > 1 (the vocab-parallel lm_head already keeps "
+     "only [tokens, V/tp] logits); set train.fused_lm_head=false"),
+    ({"distributed": {"tp_size": 2, "strategy": "ddp"}},
+     "distributed.tp_size=2: needs distributed.strategy=fsdp2 (DDP over a tensor-parallel student is not wired in "
+     "this version), got ddp"),
+])
+def test_tp_config_errors(over, message):
+    with pytest.raises(ConfigError) as e:
+        _init_at_world_2(_tp_config(**over))
+    assert str(e.value) == message
 
 
 class _Boom:
