@@ -296,6 +296,25 @@ def _tp_config(**over):
                              "eval": {"num_prompts": 0}, "loss": {"loss_mode": "topk", "topk": 4}, **over})
 
 
+def test_tp_prompt_shares_are_checked_against_the_data_parallel_size():
+    """tp 2 at world 4 is 2 data-parallel ranks: 2 prompts per step are fine for the config checks, 3 are not."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from opdistill.train.distributed import init_distributed
+
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    cfg = _tp_config(distributed={"tp_size": 2}, data={"prompts_per_step": 3})
+    with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch.object(dist, "is_initialized", return_value=True), \
+            mock.patch.object(dist, "get_world_size", return_value=4), \
+            mock.patch.object(dist, "get_rank", return_value=0), pytest.raises(ConfigError) as e:
+        init_distributed(cfg)
+    assert str(e.value) == ("data.prompts_per_step: expected a multiple of the data-parallel size 2 (each rank "
+                            "samples an equal share of the step's prompts), got 3")
+
+
 @pytest.mark.parametrize("over,message", [
     ({"distributed": {"tp_size": 3}},
      "distributed.tp_size: expected a divisor of the world size 2 (the ranks form a (data-parallel, "
@@ -306,6 +325,9 @@ def _tp_config(**over):
     ({"distributed": {"tp_size": 2, "strategy": "ddp"}},
      "distributed.tp_size=2: needs distributed.strategy=fsdp2 (DDP over a tensor-parallel student is not wired in "
      "this version), got ddp"),
+    ({"distributed": {"tp_size": 2}, "model": {"student": "s", "teacher": "t", "lora": {"r": 8}}},
+     "model.lora: not supported with distributed.tp_size > 1 (the adapters would sit on a vocabulary-sharded "
+     "lm_head); set distributed.tp_size=1"),
 ])
 def test_tp_config_errors(over, message):
     with pytest.raises(ConfigError) as e:
