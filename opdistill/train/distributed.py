@@ -14,6 +14,9 @@ holds everything that differs between them (docs/distributed.md):
   evaluation decode a different number of tokens on every rank, so they must not run collectives: under FSDP2 they
   run on a plain replica of the student refreshed from the sharded weights before each use
   (:meth:`DistContext.rollout_model`); under DDP the wrapped module itself has no collectives in its forward.
+- ``distributed.tp_size > 1`` (opdistill/train/tensor_parallel.py): a (dp, tp) mesh, the student's lm_head sharded on
+  the vocabulary over tp, every loss vocab-parallel; ``group``/``mesh`` are then the data-parallel ones (prompt
+  shares, GlobalBatch, metrics) and ``world_group`` is every rank (rank 0's verdicts, checkpoints, the time limit).
 - Rank 0 alone holds the run-directory lock and writes metrics, TensorBoard and checkpoint manifests; the others wait
   for its verdict (:meth:`DistContext.from_main`), so a refusal reaches every rank instead of a hang.
 """
