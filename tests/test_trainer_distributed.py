@@ -1,8 +1,10 @@
 """``opdistill train`` on torch.distributed (gloo, 2 processes) against the one-process run of the same config.
 
 One ``mp.spawn`` launch (tests/distributed_trainer.py) runs every world-2 trainer case in order: on_policy (FSDP2,
-4 steps, a checkpoint each step), its resume at world 2 from the step-2 checkpoint, off_policy (DDP) and rl (FSDP2).
-The world-1 runs happen in this process. Then one ``torchrun -m opdistill train`` launch covers the real entry point
+4 steps, a checkpoint each step), its resume at world 2 from the step-2 checkpoint, off_policy (DDP) and rl (FSDP2),
+then the same 2 processes as a 1 x 2 (dp x tp) mesh with ``distributed.tp_size=2`` (vocab-parallel lm_head:
+on_policy, rl, the sampled-token loss on an odd vocabulary, and on_policy in fp64 with its checkpoints). One more
+launch runs a 2 x 2 mesh on 4 processes. The world-1 runs happen in this process. Then one ``torchrun -m opdistill train`` launch covers the real entry point
 on the demo config, and one more a rank that raises (the job must stop promptly with that rank's error).
 
 Expectations: the same sampled tokens (keyed sampling, rows of a prompt on one rank), per-step
