@@ -29,6 +29,10 @@ Design notes
 - The client retries connection failures, timeouts and 5xx answers with exponential backoff and then raises
   :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming
   the server and the request. A 4xx answer is not retried: its message comes back in the error.
+- What the server's engine can answer is in its ``/info`` (``engine``, ``max_k``, ``max_requested_ids``,
+  ``fixed_temperature``, ``padding``, ``max_model_len``: a ``--engine vllm`` server scores at temperature 1 only,
+  no requested ids, right-padded rows only). :func:`engine_refusal` is the one rule: the server answers 422 with its
+  line, and a client that has read ``/info`` raises it before sending.
 - At start the client checks ``/info`` against the student's tokenizer (the fingerprint of the teacher cache's
   provenance: vocabulary, special tokens, chat template) and lm_head width, and refuses with a diff.
 """

@@ -1,6 +1,16 @@
 """The teacher server: an ASGI app (FastAPI) that scores rows with an in-process teacher, batching concurrent requests.
 
 Design notes
+- Engines (``--engine``): ``hf``, a transformers model scored by :func:`opdistill.teacher.score_teacher` (below), or
+  ``vllm``, a teacher :class:`~opdistill.engines.vllm.VllmEngine` in this process scored by its own
+  :meth:`~opdistill.engines.vllm.VllmEngine.score` (the ``teacher.engine: vllm`` path of the trainer; one scoring path
+  per engine). The vllm engine answers top-K and next-token log-probs at temperature 1 of right-padded rows only
+  (prompt log-probs are raw logits, unpadded; vLLM returns its top-K and the actual token, nothing at other ids), K up
+  to its ``max_logprobs`` (set to ``--max-k``) and rows up to its ``max_model_len``. ``/info`` states each engine's
+  limits (``engine``, ``max_k``, ``max_requested_ids``, ``fixed_temperature``, ``padding``, ``max_model_len``);
+  :func:`opdistill.engines.remote.engine_refusal` turns them into one-line refusals, here (422) and in the client
+  (before it sends). Its ``/info`` fingerprint is the hf server's: hashed from the folder's safetensors tensor by
+  tensor (:func:`opdistill.teacher.teacher_fingerprint_from_folder`), no HF model held next to the engine.
 - ``GET /health`` (no token needed): ``{"status": "ok"}``. ``GET /info``: the model id, the teacher fingerprint and
   the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teacher``), vocabulary
   width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids": [B][S],
