@@ -197,7 +197,7 @@ def test_streaming_fingerprint_gives_up_where_the_files_do_not_hold_the_model(tm
 def _start(engine: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     out = open(log, "wb")  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", "builtin:demo-teacher",
+    proc = subprocess.Popen([sys.executable, "-m", "opdistill", "serve-teacher", "--model", "builtin:demo-teacher",
                              "--engine", engine, "--port", str(port), "--threads", "1"], env=ENV, stdout=out,
                             stderr=subprocess.STDOUT)
     out.close()
@@ -291,6 +291,10 @@ def test_scores_equal_the_hf_servers_to_the_measured_bound(servers, demo_rows, p
         # nothing scored elsewhere, as from the hf server
         assert torch.equal(got.topk.ids[~keep], ref.topk.ids[~keep])
         assert torch.equal(got.sampled_logprobs[~keep], ref.sampled_logprobs[~keep])
+        with RemoteTeacher(servers["vllm"], payload=payload) as v:  # next-token only (loss_mode sampled): no top-K
+            alone = v.score(ids, am, rm, k=None, sampled=True)
+        assert alone.topk is None
+        diffs.append((alone.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item())
     print(f"max |vllm - hf| log-prob ({payload}): {max(diffs):.3g}")
     assert max(diffs) < LP_BOUND
     assert max(diffs) > 0  # two engines: float rounding differs (the bound is not vacuous)
@@ -339,6 +343,8 @@ def test_requests_it_cannot_serve_get_a_clear_422(servers):
         assert (r.status_code, r.json()["detail"]) == (422, msg)
     r = httpx.post(url + "/v1/score", json=good)
     assert r.status_code == 200 and r.json()["num_positions"] == 3  # still serving
+    r = httpx.post(url + "/v1/score", json={**good, "response_mask": [[0] * 5]})  # nothing to score: nothing sent
+    assert r.status_code == 200 and (r.json()["num_positions"], r.json()["topk_ids"]) == (0, [])
     # the client, once it has /info, refuses the same before sending
     ids, am, rm = (torch.tensor(good[f]) for f in ("input_ids", "attention_mask", "response_mask"))
     with RemoteTeacher(url) as c:
