@@ -2,11 +2,12 @@
 
     OMP_NUM_THREADS=2 .venv-vllm/bin/python scripts/compare_teacher_engines.py
 
-Starts both servers (builtin:demo-teacher) on free 127.0.0.1 ports (``--threads 1``), scores the same right-padded rows through both
-(`teacher.url`'s client, fp32 payload, K = 8): a demo training step's rows (32 carry-add prompts x 4 samples of the
-demo student, 64 new tokens), 32 x 2 samples of the teacher itself, and 16 random rows of 64 tokens; prints the max
-and mean absolute difference of the top-K and next-token log-probs and the share of equal top-K ids. The numbers in
-docs/teacher_service.md ("Engines") come from this script. Needs vllm (docs/engines.md) and the serve extra.
+Starts both servers (builtin:demo-teacher, ``--threads 1``) on free 127.0.0.1 ports and scores the same
+right-padded rows through both (`teacher.url`'s client, fp32 payload, K = 8): a demo training step's rows (32
+carry-add prompts x 4 samples of the demo student, 64 new tokens), 32 x 2 samples of the teacher itself, and 16
+random rows of 64 tokens; prints the max and mean absolute difference of the top-K and next-token log-probs and the
+share of equal top-K ids. The numbers in docs/teacher_service.md ("Engines") come from this script. Needs vllm
+(docs/engines.md) and the serve extra.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ def main() -> None:
             dt = (got.topk.logprobs[keep] - ref.topk.logprobs[keep]).abs()
             ds = (got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs()
             same = (got.topk.ids[keep] == ref.topk.ids[keep]).float().mean().item()
-            print(f"{name}: {int(keep.sum())} scored positions; top-{args.k} max {dt.max():.2g} (mean {dt.mean():.2g}); "
-                  f"next-token max {ds.max():.2g} (mean {ds.mean():.2g}); top-{args.k} ids equal {100 * same:.2f}%")
+            print(f"{name}: {int(keep.sum())} scored positions; top-{args.k} max {dt.max():.2g} "
+                  f"(mean {dt.mean():.2g}); next-token max {ds.max():.2g} (mean {ds.mean():.2g}); "
+                  f"top-{args.k} ids equal {100 * same:.2f}%")
     finally:
         for proc, _ in procs:
             _stop(proc)

@@ -452,8 +452,10 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
         if fingerprint is None:  # a folder the streaming hash cannot reproduce: load the model once, then free it
             fingerprint = teacher_fingerprint(load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                          key="--model"))
-        teacher = VllmEngine(path, role="teacher", dtype=dtype,
-                             max_logprobs=min(max_k, fingerprint["teacher_vocab_size"]), max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, sleep=False,
+        # sleep off: a server scores request after request (sleep mode would offload the weights after each)
+        most = min(max_k, fingerprint["teacher_vocab_size"])
+        teacher = VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=most, max_model_len=max_model_len,
+                             gpu_memory_utilization=gpu_memory_utilization, sleep=False,
                              trust_remote_code=trust_remote_code)
     else:
         fingerprint = None
