@@ -147,9 +147,6 @@ def _cmd_export(args):
 
 
 def _cmd_serve_teacher(args):
-    if args.engine != "hf":
-        raise UserError(f"--engine {args.engine}: serve-teacher scores with the hf engine only in this version; "
-                        f"use --engine hf (the default)")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -157,9 +154,10 @@ def _cmd_serve_teacher(args):
         raise UserError(f"serve-teacher needs the serve extra ({e.name} is missing): pip install 'opdistill[serve]'")
     from opdistill.serve import serve
 
-    serve(args.model, host=args.host, port=args.port, token_file=args.token_file,
+    serve(args.model, engine=args.engine, host=args.host, port=args.port, token_file=args.token_file,
           max_batch_tokens=args.max_batch_tokens, max_request_tokens=args.max_request_tokens, max_k=args.max_k,
-          dtype=args.dtype, trust_remote_code=args.trust_remote_code, threads=args.threads)
+          dtype=args.dtype, trust_remote_code=args.trust_remote_code, threads=args.threads,
+          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _int_at_least(lo: int):
@@ -271,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or the compact binary payload). Binds 127.0.0.1 unless told; any other address "
                                     "needs --token-file. See docs/teacher_service.md.")
     st.add_argument("--model", required=True, help="teacher model folder (or builtin:demo-teacher)")
-    st.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="scoring engine (only hf for now)")
+    st.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                    help="scoring engine: hf (transformers, default) or vllm (vLLM in this process: temperature 1, "
+                         "no requested ids; docs/teacher_service.md)")
     st.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     st.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     st.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     st.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off)")
+    st.add_argument("--max-model-len", type=int, default=None,
+                    help="vllm engine: the longest row it takes (default: the model's context length)")
+    st.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="vllm engine on GPU: the share of GPU memory it takes (default 0.9)")
     st.set_defaults(fn=_cmd_serve_teacher)
     return p
 

@@ -33,7 +33,7 @@ from opdistill import TeacherTopK
 from opdistill.fused import backbone_of, read_lm_head
 
 __all__ = ["TeacherScores", "TeacherCacheError", "score_teacher", "save_cache", "load_cache", "teacher_fingerprint",
-           "tokenizer_fingerprint", "CACHE_FORMAT"]
+           "teacher_fingerprint_from_folder", "tokenizer_fingerprint", "CACHE_FORMAT"]
 
 
 @dataclass
@@ -193,6 +193,61 @@ def teacher_fingerprint(model) -> dict:
         "teacher_config_sha256": hashlib.sha256(_canonical_json(_stable_config(model.config.to_dict()))).hexdigest(),
         "teacher_weights_sha256": h.hexdigest(),
         "teacher_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "teacher_vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+    }
+
+
+def teacher_fingerprint_from_folder(path, *, dtype: str = "float32", trust_remote_code: bool = False) -> dict | None:
+    """``teacher_fingerprint(load_model(path, dtype=dtype))`` without holding the model: the model is built on the meta
+    device (its ``state_dict`` names, dtypes and shapes) and each tensor is read from the folder's safetensors files
+    one at a time, cast to its dtype and hashed (peak memory: one tensor). Tied weights are read from the tensor they
+    share. Returns None where that cannot reproduce the loaded model (a ``state_dict`` entry absent from the files, a
+    shape that differs, no safetensors files): the caller then loads the model (used where another engine, e.g.
+    ``serve-teacher --engine vllm``, holds the weights)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from opdistill.models import parse_dtype
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (folder / "model.safetensors").exists():
+        weight_map = None
+    else:
+        return None
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code)
+    entries = model.state_dict(keep_vars=True)
+    files: dict[str, object] = {}
+
+    def open_file(name: str):
+        fname = weight_map.get(name) if weight_map is not None else "model.safetensors"
+        if fname is None:
+            return None
+        if fname not in files:
+            files[fname] = safe_open(str(folder / fname), framework="pt")
+        f = files[fname]
+        return f if name in f.keys() else None
+
+    h = hashlib.sha256()
+    for name in sorted(entries):
+        ref = entries[name]
+        source = next((n for n in [name] + [m for m, t in entries.items() if t is ref and m != name]
+                       if open_file(n) is not None), None)
+        if source is None:
+            return None
+        t = open_file(source).get_tensor(source)
+        if list(t.shape) != list(ref.shape):
+            return None
+        _hash_tensors(h, [(name, t.to(ref.dtype))])
+    params = [t for t in entries.values() if isinstance(t, torch.nn.Parameter)]
+    return {
+        "teacher_config_sha256": hashlib.sha256(_canonical_json(_stable_config(model.config.to_dict()))).hexdigest(),
+        "teacher_weights_sha256": h.hexdigest(),
+        "teacher_dtype": str(params[0].dtype).removeprefix("torch."),
         "teacher_vocab_size": int(model.get_output_embeddings().weight.shape[0]),
     }
 

@@ -372,10 +372,6 @@ def test_non_loopback_bind_without_token_is_refused(models, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "opdistill serve-teacher: serve error: --host 0.0.0.0: binding to a non-loopback address needs a bearer "
         "token; pass --token-file FILE (clients send it as 'Authorization: Bearer ...'), or bind 127.0.0.1")
-    assert main(["serve-teacher", "--model", cfg["model"]["teacher"], "--engine", "vllm"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "opdistill serve-teacher: error: --engine vllm: serve-teacher scores with the hf engine only in this "
-        "version; use --engine hf (the default)")
 
 
 def test_teacher_config_section_rules():

@@ -29,6 +29,10 @@ Design notes
 - The client retries connection failures, timeouts and 5xx answers with exponential backoff and then raises
   :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming
   the server and the request. A 4xx answer is not retried: its message comes back in the error.
+- What the server's engine can answer is in its ``/info`` (``engine``, ``max_k``, ``max_requested_ids``,
+  ``fixed_temperature``, ``padding``, ``max_model_len``: a ``--engine vllm`` server scores at temperature 1 only,
+  no requested ids, right-padded rows only). :func:`engine_refusal` is the one rule: the server answers 422 with its
+  line, and a client that has read ``/info`` raises it before sending.
 - At start the client checks ``/info`` against the student's tokenizer (the fingerprint of the teacher cache's
   provenance: vocabulary, special tokens, chat template) and lm_head width, and refuses with a diff.
 """
@@ -49,7 +53,7 @@ from opdistill.errors import UserError
 from opdistill.teacher import TeacherScores, tokenizer_fingerprint
 
 __all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "TeacherServiceError", "RemoteTeacher",
-           "VLLMPromptLogprobsTeacher", "ScoreResult",
+           "VLLMPromptLogprobsTeacher", "ScoreResult", "engine_refusal",
            "scored_positions", "encode_result", "decode_result", "parse_accept", "INT8_LEVELS"]
 
 MEDIA_JSON = "application/json"
@@ -290,6 +294,45 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# What a server's engine can answer (its /info), checked by the server (422) and by the client before it sends
+
+def engine_refusal(info: dict, *, k: int | None, temperature: float, num_requested: int | None,
+                   attention_mask: torch.Tensor) -> str | None:
+    """Why a server whose ``/info`` is ``info`` cannot serve this request (one line), or None. The engine's limits in
+    /info: ``max_k``, ``max_requested_ids`` (0: none), ``fixed_temperature`` (null: any), ``padding`` ("any", or
+    "right": attention 1 on a prefix of each row) and ``max_model_len`` (null: none). A server without these fields
+    (an older one) is taken to accept anything."""
+    engine = info.get("engine", "hf")
+    use = "send it to a server started with --engine hf"
+    if k is not None and info.get("max_k") is not None and k > info["max_k"]:
+        return f"k: {k} is above this server's max K {info['max_k']} (its --max-k); ask for at most {info['max_k']}"
+    fixed = info.get("fixed_temperature")
+    if fixed is not None and float(temperature) != float(fixed):
+        return (f"temperature {temperature:g}: the {engine} engine scores at temperature {fixed:g} only (its prompt "
+                f"log-probs are those of the raw logits); ask for temperature {fixed:g} or {use}")
+    if num_requested is not None:
+        most = info.get("max_requested_ids")
+        if most == 0:
+            return (f"requested_ids: the {engine} engine cannot score ids the client names (it returns only its top-K "
+                    f"and the actual next token); {use}")
+        if most is not None and num_requested > most:
+            return f"requested_ids: {num_requested} ids per position, above the limit {most}"
+    lengths = attention_mask.sum(-1)
+    if info.get("padding") == "right":
+        prefix = torch.arange(attention_mask.shape[1])[None] < lengths[:, None]
+        bad = (prefix != attention_mask.bool()).any(-1).nonzero().flatten().tolist()
+        if bad:
+            return (f"attention_mask: the {engine} engine scores each row unpadded, so rows must be right-padded "
+                    f"(attention_mask 1 on a prefix); row {bad[0]} is not")
+    longest = info.get("max_model_len")
+    if longest is not None and lengths.numel() and int(lengths.max()) > longest:
+        b = int(lengths.argmax())
+        return (f"input_ids: row {b} holds {int(lengths[b])} tokens, above the {engine} engine's max_model_len "
+                f"{longest} (--max-model-len); send shorter rows")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The client
 
 _TOKENIZER_FIELDS = ("tokenizer_sha256", "tokenizer_vocab_size")
@@ -404,6 +447,12 @@ class RemoteTeacher:
             body["requested_ids"] = requested_ids.tolist()
         B, S = input_ids.shape
         what = what or f"{B} rows x {S} positions"
+        if self.info is not None:  # what the server's engine cannot answer: refused here, before sending
+            why = engine_refusal(self.info, k=k, temperature=temperature, attention_mask=attention_mask,
+                                 num_requested=None if requested_ids is None else int(requested_ids.shape[1]))
+            if why:
+                raise TeacherServiceError(f"{self.key}={self.url}: POST /v1/score ({what}) cannot be served by this "
+                                          f"server ({self.info.get('engine', 'hf')} engine): {why}")
         resp = self._request("POST", "/v1/score", what, content=json.dumps(body, separators=(",", ":")).encode(),
                              headers={"Content-Type": MEDIA_JSON})
         try:

@@ -101,7 +101,7 @@ class VllmEngine:
 
     def __init__(self, path: str, *, role: str, dtype: str = "float32", seed: int = 0, max_logprobs: int = 20,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.3, kv_cache_gb: float = 1.0,
-                 sleep: bool = True):
+                 sleep: bool = True, trust_remote_code: bool = False):
         if role not in ("student", "teacher"):
             raise ValueError(f"role: expected 'student' or 'teacher', got {role!r}")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -114,9 +114,10 @@ class VllmEngine:
         self.role = role
         self.sleeping = False
         self.sleep_mode = bool(sleep) and not self.on_cpu
+        self.max_logprobs = max(max_logprobs, 1)  # the largest K a teacher engine can score
         kwargs = dict(model=path, dtype=dtype, seed=seed, skip_tokenizer_init=True, enforce_eager=True,
-                      max_logprobs=max(max_logprobs, 1), enable_prefix_caching=role == "student",
-                      logprobs_mode="processed_logprobs")
+                      max_logprobs=self.max_logprobs, enable_prefix_caching=role == "student",
+                      logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if not self.on_cpu:
@@ -124,6 +125,11 @@ class VllmEngine:
             kwargs["enable_sleep_mode"] = self.sleep_mode
         self._vllm = vllm
         self.llm = vllm.LLM(**kwargs)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest row (prompt + response tokens) the engine takes."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
 
     # -- the in-process model and weight pushes --------------------------------------------------------------------
     @property

@@ -1,6 +1,16 @@
 """The teacher server: an ASGI app (FastAPI) that scores rows with an in-process teacher, batching concurrent requests.
 
 Design notes
+- Engines (``--engine``): ``hf``, a transformers model scored by :func:`opdistill.teacher.score_teacher` (below), or
+  ``vllm``, a teacher :class:`~opdistill.engines.vllm.VllmEngine` in this process scored by its own
+  :meth:`~opdistill.engines.vllm.VllmEngine.score` (the ``teacher.engine: vllm`` path of the trainer; one scoring path
+  per engine). The vllm engine answers top-K and next-token log-probs at temperature 1 of right-padded rows only
+  (prompt log-probs are raw logits, unpadded; vLLM returns its top-K and the actual token, nothing at other ids), K up
+  to its ``max_logprobs`` (set to ``--max-k``) and rows up to its ``max_model_len``. ``/info`` states each engine's
+  limits (``engine``, ``max_k``, ``max_requested_ids``, ``fixed_temperature``, ``padding``, ``max_model_len``);
+  :func:`opdistill.engines.remote.engine_refusal` turns them into one-line refusals, here (422) and in the client
+  (before it sends). Its ``/info`` fingerprint is the hf server's: hashed from the folder's safetensors tensor by
+  tensor (:func:`opdistill.teacher.teacher_fingerprint_from_folder`), no HF model held next to the engine.
 - ``GET /health`` (no token needed): ``{"status": "ok"}``. ``GET /info``: the model id, the teacher fingerprint and
   the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teacher``), vocabulary
   width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids": [B][S],
@@ -32,16 +42,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opdistill.engines.remote import MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, parse_accept, scored_positions
+from opdistill.engines.remote import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal,
+                                      parse_accept, scored_positions)
+from opdistill.engines.vllm import INSTALL_HINT, VllmEngine, vllm_available
 from opdistill.errors import UserError
 from opdistill.fused import backbone_of, read_lm_head
-from opdistill.teacher import score_teacher, teacher_fingerprint, tokenizer_fingerprint
+from opdistill.teacher import score_teacher, teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
 
-__all__ = ["TeacherService", "ServeError", "create_app", "score_rows", "LOOPBACK_HOSTS", "check_bind"]
+__all__ = ["TeacherService", "ServeError", "create_app", "score_rows", "LOOPBACK_HOSTS", "check_bind", "ENGINES"]
+
+ENGINES = ("hf", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -68,7 +84,11 @@ class BadRequest(Exception):
 def score_rows(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
                k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
                row_chunk: int = 64, token_chunk: int = 2048) -> ScoreResult:
-    """Scores at the scored positions (``response_mask[b, t + 1] == 1``, row-major)."""
+    """Scores at the scored positions (``response_mask[b, t + 1] == 1``, row-major). ``teacher``: a transformers
+    model, or a :class:`~opdistill.engines.vllm.VllmEngine` (temperature 1, no requested ids, right-padded rows)."""
+    if isinstance(teacher, VllmEngine):
+        return _score_rows_vllm(teacher, input_ids, attention_mask, response_mask, k=k, temperature=temperature,
+                                requested_ids=requested_ids)
     keep = scored_positions(response_mask)
     targets = torch.zeros_like(input_ids)
     targets[:, :-1] = input_ids[:, 1:]
@@ -118,6 +138,25 @@ def score_rows(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     return ScoreResult(topk_ids, topk_lp, nxt, req, float(temperature))
 
 
+def _score_rows_vllm(engine: VllmEngine, input_ids, attention_mask, response_mask, *, k, temperature, requested_ids):
+    """Through the engine's own teacher scoring (:meth:`VllmEngine.score`, the in-process ``teacher.engine: vllm``
+    path): only the rows with a scored position are sent, each unpadded."""
+    if temperature != 1.0 or requested_ids is not None:
+        raise ValueError("the vllm engine scores at temperature 1 only and cannot score requested ids")
+    keep = scored_positions(response_mask)
+    rows = keep.any(-1)
+    P = int(keep.sum())
+    if P == 0:
+        return ScoreResult(np.zeros((0, k), np.int64) if k else None, np.zeros((0, k), np.float32) if k else None,
+                           np.zeros(0, np.float32), None, 1.0)
+    ids, keep = input_ids[rows], keep[rows]
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]
+    s = engine.score(ids, attention_mask[rows], k=k, sampled_ids=targets)
+    return ScoreResult(s.topk.ids[keep].numpy() if k else None, s.topk.logprobs[keep].numpy() if k else None,
+                       s.sampled_logprobs[keep].numpy(), None, 1.0)
+
+
 @dataclass
 class _Job:
     input_ids: torch.Tensor
@@ -137,18 +176,33 @@ class _Job:
 
 
 class TeacherService:
-    """A loaded teacher and what ``/info`` says about it."""
+    """A loaded teacher (a transformers model: engine hf; or a teacher :class:`VllmEngine`: engine vllm) and what
+    ``/info`` says about it: the teacher cache's provenance fields, the engine and its limits (what
+    :func:`~opdistill.engines.remote.engine_refusal` checks). ``fingerprint``: the teacher's
+    (:func:`~opdistill.teacher.teacher_fingerprint`), required with a vLLM engine (it holds no HF model)."""
 
-    def __init__(self, teacher, tokenizer, *, model_id: str, max_k: int = 64, max_requested_ids: int = 256):
+    def __init__(self, teacher, tokenizer, *, model_id: str, max_k: int = 64, max_requested_ids: int = 256,
+                 fingerprint: dict | None = None):
         self.teacher = teacher
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.vocab_size = int(read_lm_head(teacher).weight.shape[0])
+        self.engine = "vllm" if isinstance(teacher, VllmEngine) else "hf"
+        if fingerprint is None:
+            if self.engine == "vllm":
+                raise ValueError("TeacherService: a vllm engine needs the teacher's fingerprint (fingerprint=...)")
+            fingerprint = teacher_fingerprint(teacher)
+        self.vocab_size = int(fingerprint["teacher_vocab_size"])
         self.max_k = min(max_k, self.vocab_size)
+        if self.engine == "vllm":  # prompt log-probs: raw logits (temperature 1), top-K + the actual token, unpadded
+            self.max_k = min(self.max_k, teacher.max_logprobs)
+            max_requested_ids = 0
+            limits = {"fixed_temperature": 1.0, "padding": "right", "max_model_len": teacher.max_model_len}
+        else:
+            limits = {"fixed_temperature": None, "padding": "any", "max_model_len": None}
         self.max_requested_ids = max_requested_ids
-        self.info = {"model": model_id, **teacher_fingerprint(teacher), **tokenizer_fingerprint(tokenizer),
+        self.info = {"model": model_id, **fingerprint, **tokenizer_fingerprint(tokenizer), "engine": self.engine,
                      "vocab_size": self.vocab_size, "max_k": self.max_k, "max_requested_ids": max_requested_ids,
-                     "dtype": str(next(teacher.parameters()).dtype).removeprefix("torch.")}
+                     **limits, "dtype": fingerprint["teacher_dtype"]}
 
 
 def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
@@ -209,11 +263,12 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
         if req.shape[0] != P:
             raise BadRequest(422, f"requested_ids: {req.shape[0]} rows, expected one per scored position ({P}: "
                                   f"positions t with response_mask[b, t + 1] == 1, row-major)")
-        if req.shape[1] > svc.max_requested_ids:
-            raise BadRequest(422, f"requested_ids: {req.shape[1]} ids per position, above the limit "
-                                  f"{svc.max_requested_ids}")
         if bool(((req < 0) | (req >= V)).any()):
             raise BadRequest(422, f"requested_ids: ids must lie in [0, {V})")
+    why = engine_refusal(svc.info, k=k, temperature=float(temperature), attention_mask=am,
+                         num_requested=None if req is None else int(req.shape[1]))
+    if why:  # what this engine cannot answer (its limits in /info; the client checks the same before sending)
+        raise BadRequest(422, why)
     return dict(input_ids=ids, attention_mask=am, response_mask=rm, k=k, temperature=float(temperature),
                 requested_ids=req)
 
@@ -362,10 +417,12 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
     return app
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, token_file: str | None = None,
+def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int = 8000, token_file: str | None = None,
           max_batch_tokens: int = 65536, max_request_tokens: int = 262144, max_k: int = 64, dtype: str = "float32",
-          trust_remote_code: bool = False, threads: int | None = None, log_level: str = "warning") -> None:
-    """Load the teacher and serve it until interrupted (``opdistill serve-teacher``)."""
+          trust_remote_code: bool = False, threads: int | None = None, max_model_len: int | None = None,
+          gpu_memory_utilization: float = 0.9, log_level: str = "warning") -> None:
+    """Load the teacher (``engine`` hf: a transformers model; vllm: a vLLM engine in this process) and serve it until
+    interrupted (``opdistill serve-teacher``). Call it under ``if __name__ == "__main__":`` (vLLM may spawn)."""
     import uvicorn
 
     from opdistill.models import load_model, load_tokenizer
@@ -385,14 +442,52 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, token_file: 
                     ("--max-k", max_k)):
         if v < 1:
             raise ServeError(f"{name}: expected an integer >= 1, got {v}")
+    check_engine(engine, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     if threads:
         torch.set_num_threads(threads)
     path = resolve_model_path(model)
-    teacher = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
-    teacher.requires_grad_(False)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code, key="--model")
-    svc = TeacherService(teacher, tok, model_id=model, max_k=max_k)
-    app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens)
-    print(f"opdistill serve-teacher: {model} on http://{host}:{port} (vocab {svc.vocab_size}, max K {svc.max_k}, "
-          f"{'token required' if token else 'no token'})", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    if engine == "vllm":
+        fingerprint = teacher_fingerprint_from_folder(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        if fingerprint is None:  # a folder the streaming hash cannot reproduce: load the model once, then free it
+            fingerprint = teacher_fingerprint(load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                         key="--model"))
+        # sleep off: a server scores request after request (sleep mode would offload the weights after each)
+        most = min(max_k, fingerprint["teacher_vocab_size"])
+        teacher = VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=most, max_model_len=max_model_len,
+                             gpu_memory_utilization=gpu_memory_utilization, sleep=False,
+                             trust_remote_code=trust_remote_code)
+    else:
+        fingerprint = None
+        teacher = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
+        teacher.requires_grad_(False)
+    try:
+        svc = TeacherService(teacher, tok, model_id=model, max_k=max_k, fingerprint=fingerprint)
+        app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens)
+        print(f"opdistill serve-teacher: {model} ({engine} engine) on http://{host}:{port} (vocab {svc.vocab_size}, "
+              f"max K {svc.max_k}, {'token required' if token else 'no token'})", flush=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        if engine == "vllm":
+            teacher.close()
+
+
+def check_engine(engine: str, *, dtype: str, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9) -> None:
+    """Refuse what ``--engine`` cannot run before anything is loaded (one line naming the flag and the fix)."""
+    if engine not in ENGINES:
+        raise ServeError(f"--engine {engine}: expected one of {list(ENGINES)}")
+    if engine == "hf":
+        for name, v in (("--max-model-len", max_model_len),):
+            if v is not None:
+                raise ServeError(f"{name}: only the vllm engine takes it; drop it or pass --engine vllm")
+        return
+    if not vllm_available():
+        raise ServeError(f"--engine vllm: the vllm package is not installed; {INSTALL_HINT}")
+    if dtype not in VLLM_DTYPES:
+        raise ServeError(f"--dtype {dtype}: the vllm engine runs {', '.join(VLLM_DTYPES)}; pass one of those or "
+                         f"--engine hf")
+    if max_model_len is not None and max_model_len < 2:
+        raise ServeError(f"--max-model-len: expected an integer >= 2, got {max_model_len}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ServeError(f"--gpu-memory-utilization: expected a number in (0, 1], got {gpu_memory_utilization}")
