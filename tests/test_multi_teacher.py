@@ -142,7 +142,7 @@ def test_two_teachers_on_two_tasks_match_the_hand_assembled_loss(tmp, in_process
     both = False
     for got, want in zip(rows, ref):
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (got["step"], key)
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (got["step"], key)  # fp32 trainer, float64 definition
         fracs = [got[f"teacher/{n}/token_frac"] for n in ("small", "big")]
         assert sum(fracs) == pytest.approx(1.0, abs=1e-12)
         # the shares add up to the step's loss (the same float64 sums, regrouped)

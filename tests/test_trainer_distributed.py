@@ -50,7 +50,16 @@ def _configs(tmp: Path) -> dict:
     rl = tiny_config_dict(tmp, method="rl", steps=3, rollout={"n": 4, "max_new_tokens": 12}, **common)
     rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4,
                   "answer_match": "contains"}
-    return {"on": on, "off": off, "rl": rl}
+    # two teachers routed by task (tests/test_multi_teacher.py): per-teacher metrics reduced over the group
+    mt = tiny_config_dict(tmp, method="on_policy", steps=2, **common)
+    mt["model"] = dict(mt["model"], teacher=None)
+    mt["data"] = {"task": "mix", "prompts_per_step": 4, "task_args": {"tasks": {
+        "short": {"task": "carry_add", "min_digits": 1, "max_digits": 1},
+        "long": {"task": "carry_add", "min_digits": 2, "max_digits": 2}}}}
+    mt["teachers"] = [{"name": "a", "path": mt["model"]["student"]}, {"name": "b", "path": on["model"]["teacher"]}]
+    mt["routing"] = {"table": {"short": "a", "long": "b"}}
+    mt["checkpoint"] = {"every": 0, "save_final": False}
+    return {"on": on, "off": off, "rl": rl, "mt": mt}
 
 
 def _with_run_dir(cfg: dict, run_dir: Path) -> dict:
@@ -108,28 +117,43 @@ def runs(tmp_path_factory):
          "prepare_resume_from": str(tmp / "w1_on"), "resume_step": 2},
         {"name": "off", "config": _with_run_dir(cfgs["off"], tmp / "w2_off")},
         {"name": "rl", "config": _with_run_dir(cfgs["rl"], tmp / "w2_rl")},
+        {"name": "mt", "config": _with_run_dir(cfgs["mt"], tmp / "w2_mt")},
     ]
     out = tmp / "out"
     out.mkdir()
     (out / "plan.json").write_text(json.dumps(plan))
     launch("tests.distributed_trainer:run_plan", 2, str(out))
-    for name in ("off", "rl"):
+    for name in ("off", "rl", "mt"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
 
-@pytest.mark.parametrize("name", ["on", "off", "rl"])
+@pytest.mark.parametrize("name", ["on", "off", "rl", "mt"])
 def test_world2_samples_and_losses_equal_world1(runs, name):
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", name) == tokens1[name]  # the same sampled tokens, prompt by prompt
     key = "policy/loss" if name == "rl" else "distillation/loss"
     w1, w2 = _losses(tmp / f"w1_{name}", key), _losses(tmp / f"w2_{name}", key)
-    assert len(w1) == (4 if name == "on" else 3)
+    assert len(w1) == {"on": 4, "mt": 2}.get(name, 3)
     assert all(gn > 0 for *_, gn in w1)  # a real gradient every step (an all-zero one would compare trivially)
     _assert_close_rows(w2, w1)
     # exactly one metrics line per step (plus the evaluations before the first and after the last step)
     steps = [r["step"] for r in read_metrics(tmp / f"w2_{name}") if "train/grad_norm" in r]
     assert steps == list(range(1, len(w1) + 1))
+
+
+def test_world2_per_teacher_metrics_equal_world1(runs):
+    """Two routed teachers: every teacher/<name>/* metric reduced over the group equals the one-process value."""
+    tmp, _, _ = runs
+    w1 = [r for r in read_metrics(tmp / "w1_mt") if "train/grad_norm" in r]
+    w2 = [r for r in read_metrics(tmp / "w2_mt") if "train/grad_norm" in r]
+    assert len(w1) == len(w2) == 2
+    for a, b in zip(w2, w1):
+        names = sorted(k for k in b if k.startswith("teacher/"))
+        assert names == sorted(k for k in a if k.startswith("teacher/")) and len(names) >= 20
+        assert 0 < b["teacher/a/token_frac"] < 1  # both teachers scored rows in the step
+        for k in names:  # a per-token extremum of a near-zero loss: fp32 rounding of the token's terms (abs)
+            assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-8 if k.endswith(("_min", "_max")) else 1e-12), k
 
 
 def test_world2_evaluation_equals_world1(runs):
