@@ -205,6 +205,26 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
         stop(proc)
 
 
+def test_a_routed_run_resumes_with_the_uninterrupted_numbers(tmp, in_process):
+    """Cut after step 1 (its checkpoint), resumed: step 2 and its per-teacher metrics equal the uninterrupted run's."""
+    import shutil
+
+    local_rows, _ = in_process
+    c = _config(tmp, "resume_full")
+    c["checkpoint"] = {"every": 1, "keep_last": 2}
+    run_training(load_config(base=c), quiet=True)
+    cut = tmp / "resume_cut"
+    shutil.copytree(tmp / "resume_full", cut)
+    newest = max((cut / "checkpoints").iterdir())
+    assert newest.name.endswith("2")
+    shutil.rmtree(newest)
+    run_training(load_config(base=dict(c, run_dir=str(cut))), resume=True, quiet=True)
+    got = _step_rows(cut)
+    keys = [k for k in local_rows[1] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
+    assert [r["step"] for r in got] == [1, 2]
+    assert {k: got[1][k] for k in keys} == {k: local_rows[1][k] for k in keys}
+
+
 def test_a_dataset_column_routes_rows(tmp):
     rows = [{"prompt": f"{a}+{b}=", "src": "short" if a < 5 else "long"} for a in range(10) for b in range(3)]
     path = tmp / "mix.jsonl"
