@@ -142,7 +142,8 @@ def test_two_teachers_on_two_tasks_match_the_hand_assembled_loss(tmp, in_process
     both = False
     for got, want in zip(rows, ref):
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (got["step"], key)  # fp32 trainer, float64 definition
+            # the trainer in fp32, the definition in float64
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (got["step"], key)
         fracs = [got[f"teacher/{n}/token_frac"] for n in ("small", "big")]
         assert sum(fracs) == pytest.approx(1.0, abs=1e-12)
         # the shares add up to the step's loss (the same float64 sums, regrouped)
@@ -337,7 +338,8 @@ def test_mixed_task_draws_tags_and_scores_by_its_own_task():
     assert [h.task for h in held] == ["short", "long"] * 3
     with pytest.raises(ConfigError) as e:
         MixedTask({"x": {"task": "carry_add", "digits": 3}})
-    assert str(e.value) == "data.task_args.tasks.x: carry_add takes ['min_digits', 'max_digits'], got unknown ['digits']"
+    assert str(e.value) == ("data.task_args.tasks.x: carry_add takes ['min_digits', 'max_digits'], got unknown "
+                            "['digits']")
 
 
 def test_routed_micro_batches_and_reassembly():

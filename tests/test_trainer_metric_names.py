@@ -78,7 +78,7 @@ def test_names_in_docs_are_emitted(runs):
 
 
 def test_per_teacher_names_in_docs_are_emitted(runs):
-    """`teacher/<name>/X` on docs/trainer.md and docs/teacher_service.md: X is emitted for each of the run's teachers."""
+    """`teacher/<name>/X` on docs/trainer.md and docs/teacher_service.md: X is emitted for each of the teachers."""
     text = DOCS.read_text() + (DOCS.parent / "teacher_service.md").read_text()
     documented = set(re.findall(r"teacher/<name>/([a-z_]+)", text))
     assert {"token_frac", "loss", "divergence", "teacher_mass", "overlap_ratio"} <= documented

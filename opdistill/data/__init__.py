@@ -5,5 +5,5 @@ from opdistill.data.tasks import (CARRY_ADD_CHARS, CarryAdditionTask, GsmSymboli
                                    ReasoningGymTask, Task, make_task)
 
 __all__ = ["CARRY_ADD_CHARS", "CarryAdditionTask", "DatasetTask", "GsmSymbolicTask", "MixedTask", "Problem",
-           "PromptSource", "ReasoningGymTask", "Task", "extract_answer", "make_task", "match_answer", "prompt_text", "render_prompt",
-           "split_held_out"]
+           "PromptSource", "ReasoningGymTask", "Task", "extract_answer", "make_task", "match_answer", "prompt_text",
+           "render_prompt", "split_held_out"]

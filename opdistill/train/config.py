@@ -222,7 +222,7 @@ class TeacherConfig(_Section):
     payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
     api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
     model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
-    overlap: bool = True  # a url teacher's request runs in a background thread during the student's forward (same numbers)
+    overlap: bool = True  # the url request runs in a background thread during the student's forward (same numbers)
 
     @model_validator(mode="after")
     def _url(self):
