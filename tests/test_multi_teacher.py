@@ -174,11 +174,16 @@ def test_a_teacher_without_rows_in_a_step_reports_zeros(tmp):
     assert absent_seen, "every step had both teachers"
 
 
-def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_process):
-    """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run."""
+def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_process, monkeypatch):
+    """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run.
+    With overlap on, the request is still on its way when the step starts (``StepData.pending``); off, it is not."""
     from tests.test_teacher_service import free_port, start_server, stop
 
     local_rows, _ = in_process
+    pending = []
+    real = loop_module.train_step
+    monkeypatch.setattr(loop_module, "train_step", lambda m, o, data, **kw: (pending.append(data.pending is not None),
+                                                                              real(m, o, data, **kw))[1])
     port = free_port()
     proc = start_server(str(tmp / "teacher2"), port)
     try:
@@ -187,7 +192,9 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
             teachers = [{"name": "small", "path": str(tmp / "teacher")},
                         {"name": "big", "url": url, "overlap": overlap}]
             run = f"served_overlap_{overlap}"
+            pending.clear()
             run_training(load_config(base=_config(tmp, run, teachers=teachers)), quiet=True)
+            assert pending == [overlap, overlap]
             got = _step_rows(tmp / run)
             keys = [k for k in local_rows[0] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
             assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in local_rows]
@@ -200,7 +207,9 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
         want = [(r["distillation/loss"], r["train/grad_norm"]) for r in _step_rows(tmp / "single_local")]
         for overlap in (False, True):
             c = dict(single, run_dir=str(tmp / f"single_url_{overlap}"), teacher={"url": url, "overlap": overlap})
+            pending.clear()
             run_training(load_config(base=c), quiet=True)
+            assert pending == [overlap, overlap]
             assert [(r["distillation/loss"], r["train/grad_norm"]) for r in _step_rows(c["run_dir"])] == want
     finally:
         stop(proc)
