@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from opdistill.data import MixedTask, PromptSource
-from opdistill.errors import ConfigError
+from opdistill.errors import ConfigError, IncompatibleModelsError
 from opdistill.metrics import MetricSums
 from opdistill.models import load_model, load_tokenizer
 from opdistill.train import load_config, run_training
@@ -177,6 +177,7 @@ def test_a_teacher_without_rows_in_a_step_reports_zeros(tmp):
 def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_process, monkeypatch):
     """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run.
     With overlap on, the request is still on its way when the step starts (``StepData.pending``); off, it is not."""
+    from opdistill.engines.remote import TeacherServiceError
     from tests.test_teacher_service import free_port, start_server, stop
 
     local_rows, _ = in_process
@@ -198,6 +199,15 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
             got = _step_rows(tmp / run)
             keys = [k for k in local_rows[0] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
             assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in local_rows]
+        # a served teacher is checked against the student like teacher.url is, the message naming its key
+        other = make_model_dir(tmp / "student_other_vocab", hidden=16, layers=1, seed=2, chars="0123456789+=,>ab")
+        c = _config(tmp, "served_incompatible", teachers=[{"name": "big", "url": url},
+                                                          {"name": "small", "path": str(tmp / "teacher")}])
+        c["model"] = dict(c["model"], student=other)
+        with pytest.raises(TeacherServiceError) as e:
+            run_training(load_config(base=c), quiet=True)
+        assert str(e.value).startswith(f"teachers.0.url={url}: the server's teacher cannot be distilled into this "
+                                       f"student: ")
         # the single-teacher path (teacher.url) with overlap off and on: the in-process teacher's numbers
         single = tiny_config_dict(tmp, steps=2)
         single.update(run_dir=str(tmp / "single_local"), eval={**single["eval"], "num_prompts": 0},
@@ -329,7 +339,7 @@ def test_an_incompatible_named_teacher_is_refused_naming_it(tmp):
     other = make_model_dir(tmp / "other_vocab", hidden=32, layers=1, seed=3, chars="0123456789+=,>ab")
     c = _config(tmp, "incompatible")
     c["teachers"][1]["path"] = other
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(IncompatibleModelsError) as e:
         run_training(load_config(base=c), quiet=True)
     assert str(e.value).startswith("teachers.1.path: student and teacher are not compatible for distillation: ")
 
