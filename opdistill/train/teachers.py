@@ -124,12 +124,16 @@ def open_teachers(cfg, tok, student, task, models: dict | None = None) -> Teache
             raise ConfigError(f"routing.table: {rt.field} {missing[0]!r} of {cfg.data.path} has no teacher "
                               f"({len(missing)} value(s) unrouted); add it to routing.table or set routing.default")
     members: list[Member] = []
+    loaded: dict[str, object] = {}  # two names for one folder share one copy of the weights
     try:
         for i, spec in enumerate(cfg.teachers):
             key = f"teachers.{i}"
             if spec.path is not None:
                 model = (models or {}).get(spec.name)
-                model = model if model is not None else _load_named(cfg, spec, f"{key}.path", tok, student)
+                if model is None:
+                    if spec.path not in loaded:
+                        loaded[spec.path] = _load_named(cfg, spec, f"{key}.path", tok, student)
+                    model = loaded[spec.path]
                 members.append(Member(spec.name, model, False))
             else:
                 members.append(Member(spec.name, connect_teacher(cfg, tok, student, tc=spec, key=f"{key}.url"),
