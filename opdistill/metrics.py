@@ -94,6 +94,20 @@ class MetricSums:
             self._max[key] = torch.maximum(self._max[key], other._max[key])
         return self
 
+    def renamed(self, old: str, new: str, *, empty: bool = False) -> "MetricSums":
+        """The records whose name starts with ``old``, that prefix replaced by ``new``: their sums, counts and
+        extrema copied (exact), or, with ``empty``, the names alone (nothing recorded: they report 0.0)."""
+        out = MetricSums()
+        for (name, kind), num in self._num.items():
+            if name.startswith(old):
+                key = out._slot(new + name[len(old):], kind, num.device)
+                if not empty:
+                    out._num[key] += num
+                    out._den[key] += self._den[(name, kind)]
+                    out._min[key] = torch.minimum(out._min[key], self._min[(name, kind)])
+                    out._max[key] = torch.maximum(out._max[key], self._max[(name, kind)])
+        return out
+
     def keys(self) -> list[tuple[str, str]]:
         """The recorded (name, kind) pairs, sorted."""
         return sorted(self._num)

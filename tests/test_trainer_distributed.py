@@ -64,7 +64,16 @@ def _configs(tmp: Path) -> dict:
     # float64: the tp runs' exactness (and their checkpoints) at 1e-9, out of reach of fp32 rounding, which Adam at
     # lr 1e-2 amplifies step by step (fp32 tp vs world 1: ~1e-7 at step 1, ~3e-5 at step 4; fp64: ~1e-15)
     on64 = {**on, "model": {**on["model"], "dtype": "float64"}}
-    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64}
+    # two teachers routed by task (tests/test_multi_teacher.py): per-teacher metrics reduced over the group
+    mt = tiny_config_dict(tmp, method="on_policy", steps=2, **common)
+    mt["model"] = dict(mt["model"], teacher=None)
+    mt["data"] = {"task": "mix", "prompts_per_step": 4, "task_args": {"tasks": {
+        "short": {"task": "carry_add", "min_digits": 1, "max_digits": 1},
+        "long": {"task": "carry_add", "min_digits": 2, "max_digits": 2}}}}
+    mt["teachers"] = [{"name": "a", "path": mt["model"]["student"]}, {"name": "b", "path": on["model"]["teacher"]}]
+    mt["routing"] = {"table": {"short": "a", "long": "b"}}
+    mt["checkpoint"] = {"every": 0, "save_final": False}
+    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt}
 
 
 def _tp(cfg: dict, tp: int = 2, steps: int | None = None) -> dict:
@@ -137,6 +146,7 @@ def runs(tmp_path_factory):
          "resume": True, "prepare_resume_from": str(tmp / "tp_on64"), "resume_step": 2},
         {"name": "tp_from_1", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_from_1"), "resume": True,
          "prepare_resume_from": str(tmp / "w1_on64"), "resume_step": 2},
+        {"name": "mt", "config": _with_run_dir(cfgs["mt"], tmp / "w2_mt")},
     ]
     out = tmp / "out"
     out.mkdir()
@@ -144,23 +154,37 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled"):
+    for name in ("off", "rl", "sampled", "mt"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
 
-@pytest.mark.parametrize("name", ["on", "off", "rl"])
+@pytest.mark.parametrize("name", ["on", "off", "rl", "mt"])
 def test_world2_samples_and_losses_equal_world1(runs, name):
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", name) == tokens1[name]  # the same sampled tokens, prompt by prompt
     key = "policy/loss" if name == "rl" else "distillation/loss"
     w1, w2 = _losses(tmp / f"w1_{name}", key), _losses(tmp / f"w2_{name}", key)
-    assert len(w1) == (4 if name == "on" else 3)
+    assert len(w1) == {"on": 4, "mt": 2}.get(name, 3)
     assert all(gn > 0 for *_, gn in w1)  # a real gradient every step (an all-zero one would compare trivially)
     _assert_close_rows(w2, w1)
     # exactly one metrics line per step (plus the evaluations before the first and after the last step)
     steps = [r["step"] for r in read_metrics(tmp / f"w2_{name}") if "train/grad_norm" in r]
     assert steps == list(range(1, len(w1) + 1))
+
+
+def test_world2_per_teacher_metrics_equal_world1(runs):
+    """Two routed teachers: every teacher/<name>/* metric reduced over the group equals the one-process value."""
+    tmp, _, _ = runs
+    w1 = [r for r in read_metrics(tmp / "w1_mt") if "train/grad_norm" in r]
+    w2 = [r for r in read_metrics(tmp / "w2_mt") if "train/grad_norm" in r]
+    assert len(w1) == len(w2) == 2
+    for a, b in zip(w2, w1):
+        names = sorted(k for k in b if k.startswith("teacher/"))
+        assert names == sorted(k for k in a if k.startswith("teacher/")) and len(names) >= 20
+        assert 0 < b["teacher/a/token_frac"] < 1  # both teachers scored rows in the step
+        for k in names:  # a per-token extremum of a near-zero loss: fp32 rounding of the token's terms (abs)
+            assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-8 if k.endswith(("_min", "_max")) else 1e-12), k
 
 
 def test_world2_evaluation_equals_world1(runs):

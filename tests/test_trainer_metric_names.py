@@ -34,6 +34,14 @@ def runs(tmp_path_factory):
                                           "use_task_rewards": True, "distillation_coef": 0.5},
                                     rollout={"tis_cap": 2.0}),
     }
+    multi = tiny_config_dict(tmp, steps=1, eval={"num_prompts": 0}, checkpoint={"every": 0, "save_final": False})
+    multi["model"]["teacher"] = None
+    multi["data"] = {"task": "mix", "prompts_per_step": 4, "task_args": {"tasks": {
+        "short": {"task": "carry_add", "min_digits": 1, "max_digits": 1},
+        "long": {"task": "carry_add", "min_digits": 2, "max_digits": 2}}}}
+    multi["teachers"] = [{"name": "a", "path": str(tmp / "teacher")}, {"name": "b", "path": str(tmp / "teacher")}]
+    multi["routing"] = {"table": {"short": "a", "long": "b"}}
+    configs["multi"] = multi  # two routed teachers: the teacher/<name>/* names
     out = {}
     for name, cfg in configs.items():
         cfg["run_dir"] = str(tmp / name)
@@ -67,6 +75,16 @@ def test_names_in_docs_are_emitted(runs):
     documented = set(METRIC.findall(DOCS.read_text()))
     assert {"policy/loss", "task/loss", "distillation/pg_loss", "eval/teacher_kl"} <= documented  # the regex reads the page
     assert documented - _emitted(runs) == set(), "docs/trainer.md names metrics no run emits"
+
+
+def test_per_teacher_names_in_docs_are_emitted(runs):
+    """`teacher/<name>/X` on docs/trainer.md and docs/teacher_service.md: X is emitted for each of the teachers."""
+    text = DOCS.read_text() + (DOCS.parent / "teacher_service.md").read_text()
+    documented = set(re.findall(r"teacher/<name>/([a-z_]+)", text))
+    assert {"token_frac", "loss", "divergence", "teacher_mass", "overlap_ratio"} <= documented
+    emitted = {k for r in runs["multi"] for k in r}
+    missing = {f"teacher/{t}/{x}" for x in documented for t in ("a", "b")} - emitted
+    assert missing == set(), "the docs name per-teacher metrics the multi-teacher run does not emit"
 
 
 def test_plot_of_an_rl_run_draws_its_loss(runs, tmp_path, monkeypatch):

@@ -198,16 +198,20 @@ class DatasetTask(Task):
     Every row is read and checked at construction: an empty file, a malformed line, a missing, null or empty prompt
     (or answer, when ``answer_field`` is set) is a :class:`DataError` naming the file and the line. ``where[i]`` is
     row i's 'FILE:LINE' (``eval_where`` for the held-out rows), for later messages (over-long prompts, unknown
-    characters). A prompt cell holding a list is a chat prompt (``[{"role", "content"}, ...]``)."""
+    characters). A prompt cell holding a list is a chat prompt (``[{"role", "content"}, ...]``).
+    ``task_field``: a column whose value (a non-empty string) every row carries as ``Problem.task`` (``routing.field``
+    of a multi-teacher run: docs/teacher_service.md)."""
 
     name = "dataset"
 
     def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str | None = None, *,
                  split: str = "train", subset: str | None = None, eval_path: str | None = None,
-                 eval_split: str | None = None, eval_fraction: float | None = None, answer_match: str = "math"):
+                 eval_split: str | None = None, eval_fraction: float | None = None, answer_match: str = "math",
+                 task_field: str | None = None):
         if sum(x is not None for x in (eval_path, eval_fraction)) > 1 or (eval_fraction is not None and eval_split):
             raise ConfigError("data.eval_fraction: expected one held-out source: data.eval_path (with an optional "
                               "data.eval_split), data.eval_split alone, or data.eval_fraction")
+        self.task_field = task_field
         self.where, self.rows = self._load(path, prompt_field, answer_field, split, subset, "data.path")
         self.eval_where, self.eval_rows = [], []
         if eval_path is not None or eval_split is not None:
@@ -230,17 +234,18 @@ class DatasetTask(Task):
         self.path, self.has_answers, self.answer_match = path, answer_field is not None, answer_match
         self.has_held_out = bool(self.eval_rows)
 
-    @staticmethod
-    def _load(path, prompt_field, answer_field, split, subset, key):
+    def _load(self, path, prompt_field, answer_field, split, subset, key):
         pairs = _read_rows(path, split=split, subset=subset, key=key)
         if not pairs:
             raise DataError(f"{path}: no rows (the file is empty)")
         columns = list(pairs[0][1])
-        for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field")):
+        for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field"),
+                            (self.task_field, "routing.field")):
             if field is not None and field not in columns:
                 raise ConfigError(f"{fkey}: {field!r} is not a column of {path} (columns: {columns})")
         rows = [Problem(prompt=_text(w, r, prompt_field, "data.prompt_field", chat=True),
-                        answer="" if answer_field is None else _text(w, r, answer_field, "data.answer_field"))
+                        answer="" if answer_field is None else _text(w, r, answer_field, "data.answer_field"),
+                        task=None if self.task_field is None else _text(w, r, self.task_field, "routing.field"))
                 for w, r in pairs]
         return [w for w, _ in pairs], rows
 

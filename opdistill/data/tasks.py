@@ -16,6 +16,7 @@ student's own samples (on-policy) is supposed to matter.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 import random
 import re
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from opdistill.errors import ConfigError
 
-__all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "ReasoningGymTask", "make_task",
+__all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "ReasoningGymTask", "MixedTask", "make_task",
            "CARRY_ADD_CHARS"]
 
 CARRY_ADD_CHARS = "0123456789+=,>"
@@ -33,12 +34,15 @@ CARRY_ADD_CHARS = "0123456789+=,>"
 class Problem:
     """``prompt`` is a plain string, or a chat-format list of ``{"role", "content"}`` messages (system prompts
     included) rendered with the tokenizer's chat template; ``index`` is the row of the task's dataset it came from
-    (reasoning-gym tasks score with it), None for generated problems."""
+    (reasoning-gym tasks score with it), None for generated problems; ``task``: the name of the task it belongs to
+    in a mix of tasks (``data.task: mix``), or a dataset row's routing column (the field a multi-teacher run routes
+    on: docs/teacher_service.md), None otherwise."""
 
     prompt: str | list
     answer: str
     solution: str | None = None
     index: int | None = None
+    task: str | None = None
 
 
 class Task(abc.ABC):
@@ -179,13 +183,78 @@ class ReasoningGymTask(Task):
         return float(self.data.score_answer(answer=answer, entry=entry))
 
 
+class MixedTask(Task):
+    """Several generated tasks in one prompt stream (``data.task: mix``), each prompt tagged with its task's name
+    (``Problem.task``): what a multi-teacher run routes on (docs/teacher_service.md).
+
+    ``data.task_args: {tasks: {NAME: {task: carry_add, <its task_args>}, ...}, weights: {NAME: w, ...}}``: each
+    prompt first draws a task (``weights``, default equal), then a problem of that task, from the same seeded rng, so
+    the stream stays a pure function of (seed, step). A completion is scored by its own task's verifier. The held-out
+    set takes the tasks in turn (round robin over their own held-out problems, or draws keyed by the seed)."""
+
+    name = "mix"
+
+    def __init__(self, tasks: dict, weights: dict | None = None):
+        if not isinstance(tasks, dict) or not tasks:
+            raise ConfigError(f"data.task_args.tasks: expected a mapping of task names to task specs "
+                              f"({{NAME: {{task: carry_add, ...}}}}), got {tasks!r}")
+        self.tasks: dict[str, Task] = {}
+        for name, spec in tasks.items():
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(f"data.task_args.tasks: expected task names of letters, digits, '_', '-' or '.', "
+                                  f"got {name!r}")
+            if not isinstance(spec, dict) or not isinstance(spec.get("task"), str):
+                raise ConfigError(f"data.task_args.tasks.{name}: expected a mapping with a task key (e.g. "
+                                  f"{{task: carry_add, min_digits: 1}}), got {spec!r}")
+            args = {k: v for k, v in spec.items() if k != "task"}
+            if spec["task"] == "mix":
+                raise ConfigError(f"data.task_args.tasks.{name}.task: a mix cannot hold another mix")
+            try:
+                self.tasks[name] = make_task(spec["task"], **args)
+            except ConfigError as e:
+                raise ConfigError(f"data.task_args.tasks.{name}: {str(e).split(': ', 1)[-1]}") from None
+        weights = dict(weights or {})
+        unknown = sorted(set(weights) - set(self.tasks))
+        if unknown:
+            raise ConfigError(f"data.task_args.weights: unknown tasks {unknown} (tasks: {list(self.tasks)})")
+        self.names = list(self.tasks)
+        self.weights = [weights.get(n, 1.0) for n in self.names]
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 for w in self.weights) \
+                or not sum(self.weights) > 0:
+            raise ConfigError(f"data.task_args.weights: expected numbers >= 0, not all 0, got {weights!r}")
+
+    def sample(self, rng: random.Random) -> Problem:
+        name = rng.choices(self.names, weights=self.weights)[0]
+        return dataclasses.replace(self.tasks[name].sample(rng), task=name)
+
+    def held_out(self, n: int, seed: int) -> list[Problem]:
+        per = {}
+        for name, t in self.tasks.items():
+            own = t.held_out(n, seed)
+            if own is None:
+                rng = random.Random(f"eval/{seed}/{name}")
+                own = [t.sample(rng) for _ in range(n)]
+            per[name] = [dataclasses.replace(p, task=name) for p in own]
+        out = [p for i in range(n) for name in self.names for p in per[name][i:i + 1]]
+        return out[:n]
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return self.tasks[problem.task].score(problem, completion)
+
+
 def make_task(name: str, /, **kwargs) -> Task:
     """The task ``name`` built with ``kwargs`` (``data.task_args``); a bad argument is a ConfigError naming the key."""
-    tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask, "reasoning_gym": ReasoningGymTask}
+    tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask, "reasoning_gym": ReasoningGymTask,
+             "mix": MixedTask}
     if name == "reasoning_gym" and "name" not in kwargs:
         raise ConfigError("data.task_args.name: expected a reasoning-gym task name (e.g. leg_counting), got nothing")
     if name == "reasoning_gym":  # the task's own config keys pass through
         return ReasoningGymTask(**kwargs)
+    if name == "mix":  # its own errors name their keys (data.task_args.tasks.NAME...)
+        unknown = sorted(set(kwargs) - {"tasks", "weights"})
+        if unknown:
+            raise ConfigError(f"data.task_args: mix takes ['tasks', 'weights'], got unknown {unknown}")
+        return MixedTask(kwargs.get("tasks"), kwargs.get("weights"))
     if name not in tasks:
         raise ConfigError(f"data.task: expected one of {sorted(tasks)}, got {name!r}")
     params = [p for p in inspect.signature(tasks[name]).parameters]

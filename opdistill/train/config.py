@@ -27,7 +27,8 @@ from opdistill import DistillationConfig
 from opdistill.errors import ConfigError
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "TrainerConfig",
+           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "NamedTeacher",
+           "RoutingConfig", "TrainerConfig",
            "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -71,7 +72,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset"] = "carry_add"
+    task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset", "mix"] = "carry_add"  # mix: task_args.tasks
     task_args: dict = {}  # keyword arguments of the task generator (reasoning_gym: {name: TASK, size, seed, ...})
     path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
@@ -221,12 +222,37 @@ class TeacherConfig(_Section):
     payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
     api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
     model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
+    overlap: bool = True  # the url request runs in a background thread during the student's forward (same numbers)
 
     @model_validator(mode="after")
     def _url(self):
         if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
             raise ConfigError(f"teacher.url: expected http://host:port or https://host:port, got {self.url!r}")
         return self
+
+
+class NamedTeacher(TeacherConfig):
+    """One entry of ``teachers``: a name and either ``path`` (a model folder or builtin, scored in process, like
+    model.teacher) or ``url`` with the client keys of the ``teacher`` section (token_file, timeouts, payload, api,
+    overlap). docs/teacher_service.md "Several teachers"."""
+
+    name: str = ""  # letters, digits, '_', '-', '.': it names the metrics teacher/<name>/...
+    path: Optional[str] = None  # in process: a model folder (or builtin:demo-teacher); or give url
+
+    @model_validator(mode="after")
+    def _url(self):
+        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
+            raise ConfigError(f"teachers: url of teacher {self.name!r}: expected http://host:port or "
+                              f"https://host:port, got {self.url!r}")
+        return self
+
+
+class RoutingConfig(_Section):
+    """``routing``: which teacher scores a prompt, from a field of its data (docs/teacher_service.md)."""
+
+    field: str = "task"  # generated tasks: "task" (a data.task mix's task name); data.task dataset: a column name
+    table: dict[str, Optional[str]] = {}  # field value -> teacher name
+    default: Optional[str] = None  # the teacher of values the table does not list; null: every value must be listed
 
 
 class TrainerConfig(_Section):
@@ -242,6 +268,9 @@ class TrainerConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
+    # --- multi-teacher routing (docs/teacher_service.md "Several teachers"; rules in _teachers) ---
+    teachers: Optional[list[NamedTeacher]] = None  # named teachers, in process (path) or servers (url)
+    routing: Optional[RoutingConfig] = None  # which teacher scores which prompt (needed with teachers)
 
     @model_validator(mode="after")
     def _rules(self):
@@ -258,7 +287,7 @@ class TrainerConfig(_Section):
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
                  self.rollout.n)
         else:
-            need(bool(self.model.teacher) or self.teacher.url is not None, "model.teacher",
+            need(bool(self.model.teacher) or self.teacher.url is not None or self.teachers is not None, "model.teacher",
                  f"a model folder (or teacher.url) for method {method}", self.model.teacher)
             need(lc.loss_mode != "full", "loss.loss_mode", "topk or sampled in the trainer (full needs the teacher's "
                  "[tokens, vocab] logits at every step, which the trainer does not keep)", lc.loss_mode)
@@ -300,6 +329,82 @@ class TrainerConfig(_Section):
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
         return self
 
+    @model_validator(mode="after")
+    def _teachers(self):
+        """``teachers`` + ``routing``: one clear line for a config that cannot route every prompt to one teacher."""
+        ts, rt = self.teachers, self.routing
+        if ts is None:
+            if rt is not None:
+                raise ConfigError("routing: expected null without teachers (routing picks one of the named teachers), "
+                                  f"got {rt.model_dump()!r}")
+            return self
+        if not ts:
+            raise ConfigError("teachers: expected a list of at least one {name, path | url} teacher, got []")
+        for key, value, why in (("model.teacher", self.model.teacher, "each of teachers has its own path or url"),
+                                ("teacher.url", self.teacher.url, "each of teachers has its own path or url"),
+                                ("model.student_from_teacher_layers", self.model.student_from_teacher_layers,
+                                 "the student is not cut from one of several teachers"),
+                                ("data.teacher_cache", self.data.teacher_cache, "a cache holds one teacher's scores")):
+            if value is not None:
+                raise ConfigError(f"{key}: expected null when teachers is set ({why}), got {value!r}")
+        if self.teacher.engine != "hf":
+            raise ConfigError(f"teacher.engine: expected hf when teachers is set (named teachers score with hf in "
+                              f"process or over their url), got {self.teacher.engine!r}")
+        if self.train.method != "on_policy":
+            raise ConfigError(f"teachers: set only with train.method on_policy (off_policy samples are written by one "
+                              f"teacher; rl has no teacher), got train.method {self.train.method!r}")
+        names = []
+        for i, t in enumerate(ts):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
+                raise ConfigError(f"teachers.{i}.name: expected letters, digits, '_', '-' or '.' (it names the metrics "
+                                  f"teacher/<name>/...), got {t.name!r}")
+            if t.name in names:
+                raise ConfigError(f"teachers.{i}.name: duplicate teacher name {t.name!r} (names must be unique)")
+            names.append(t.name)
+            if (t.path is None) == (t.url is None):
+                raise ConfigError(f"teachers.{i}: expected exactly one of path (a model folder, scored in process) or "
+                                  f"url (a teacher server) for teacher {t.name!r}, got "
+                                  f"{'both' if t.path is not None else 'neither'}")
+            if t.path == "self":
+                raise ConfigError(f"teachers.{i}.path: expected a model folder, got 'self' (the LoRA self-teacher is "
+                                  f"model.teacher: self, a single teacher)")
+            if t.engine != "hf":
+                raise ConfigError(f"teachers.{i}.engine: expected hf (named teachers score with hf in process or over "
+                                  f"their url), got {t.engine!r}")
+        if rt is None:
+            raise ConfigError(f"routing: expected a routing section with teachers (routing.table: {{value: teacher "
+                              f"name}}, routing.field, routing.default), got null (teachers: {names})")
+        for value, name in rt.table.items():
+            if not name:
+                raise ConfigError(f"routing.table.{value}: expected a teacher name (one of {names}), got {name!r}")
+            if name not in names:
+                raise ConfigError(f"routing.table.{value}: unknown teacher {name!r} (teachers: {names})")
+        if rt.default is not None and rt.default not in names:
+            raise ConfigError(f"routing.default: unknown teacher {rt.default!r} (teachers: {names})")
+        if not rt.table and rt.default is None:
+            raise ConfigError("routing.table: expected at least one value: teacher entry (or routing.default), got "
+                              "nothing: no prompt would have a teacher")
+        used = set(rt.table.values()) | {rt.default}
+        for name in names:
+            if name not in used:
+                raise ConfigError(f"teachers: teacher {name!r} gets no prompts (neither routing.table nor "
+                                  f"routing.default names it); route to it or remove it")
+        if self.data.task != "dataset":  # generated tasks: the values are known now
+            if rt.field != "task":
+                raise ConfigError(f"routing.field: expected 'task' with data.task {self.data.task!r} (a column name "
+                                  f"needs data.task dataset), got {rt.field!r}")
+            tasks = self.data.task_args.get("tasks") if self.data.task == "mix" else {self.data.task: None}
+            tasks = list(tasks) if isinstance(tasks, dict) else []
+            for value in rt.table:
+                if value not in tasks:
+                    raise ConfigError(f"routing.table.{value}: no prompt has task {value!r} (the tasks of data.task "
+                                      f"{self.data.task!r}: {tasks})")
+            for value in tasks:
+                if value not in rt.table and rt.default is None:
+                    raise ConfigError(f"routing.table: task {value!r} has no teacher; add it to routing.table or set "
+                                      f"routing.default")
+        return self
+
 
 # The loss section: the DistillationConfig dataclass's own fields and defaults, type-checked like the sections above.
 _LOSS_HINTS = typing.get_type_hints(DistillationConfig)
@@ -327,6 +432,8 @@ def _expected(field) -> str:
         ann = next(a for a in args if a is not type(None))
     if typing.get_origin(ann) is Literal:
         text = "one of " + "/".join(map(str, typing.get_args(ann)))
+    elif typing.get_origin(ann) in (list, dict):
+        text = {list: "a list", dict: "a mapping"}[typing.get_origin(ann)]
     else:
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                 dict: "a mapping"}.get(ann, str(ann))
@@ -352,11 +459,14 @@ def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -
     section, field = root, None  # walk the key path to the field (and the section holding it)
     path = loc[len(prefix):]
     for i, part in enumerate(path):
+        if isinstance(part, int) and field is not None:  # an item of a list of sections (teachers.0.url)
+            continue
         field = getattr(section, "model_fields", {}).get(part)
         if field is None:
             break
-        if i < len(path) - 1:  # an Optional[Section] (model.lora) walks into the section
-            section = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+        if i < len(path) - 1:  # an Optional[Section] (model.lora), Optional[list[Section]] walks into the section
+            args = typing.get_args(field.annotation)
+            section = next((a for a in (field.annotation, *args, *(x for a in args for x in typing.get_args(a)))
                             if isinstance(a, type) and issubclass(a, BaseModel)), field.annotation)
     if e["type"] == "extra_forbidden":
         where = ".".join(map(str, loc[:-1]))

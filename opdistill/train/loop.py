@@ -44,7 +44,8 @@ from opdistill.train.optim import build_optimizer
 from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, check_checkpoint_config, open_run_dir
 from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models, check_finite_weights
-from opdistill.train.remote_teacher import connect_teacher, score_rollouts
+from opdistill.train.remote_teacher import connect_teacher
+from opdistill.train.teachers import attach_scores, open_teachers
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -75,7 +76,7 @@ def build_task(cfg: TrainerConfig) -> Task:
     if dc.task == "dataset":
         return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
                            eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
-                           answer_match=dc.answer_match)
+                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None)
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
@@ -177,9 +178,8 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
                                    batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset)
     t1 = time.perf_counter()
     data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
-    if method != "rl":  # in process, a vLLM teacher engine, or the teacher.url server
-        scores = score_rollouts(engines.teacher or teacher, ro, cfg.loss, step)
-        data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
+    if method != "rl":  # in process, a vLLM teacher engine, the teacher.url server, or routed (train/teachers.py)
+        attach_scores(data, engines.teacher or teacher, ro, problems, cfg, step)
     t2 = time.perf_counter()
     rewards = torch.tensor([task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
     if method == "rl" or cfg.loss.use_task_rewards:
@@ -297,8 +297,10 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         torch.manual_seed(cfg.train.seed)
         tok, student, teacher = models if models is not None else load_models(cfg)
         task = build_task(cfg)
-        check_against_models(cfg, tok, student, teacher, task)  # refuse what the models cannot do, before any eval
+        check_against_models(cfg, tok, student, None if isinstance(teacher, dict) else teacher, task)  # before eval
         remote = connect_teacher(cfg, tok, student)  # teacher.url: the server, checked against the student
+        routed = open_teachers(cfg, tok, student, task, teacher if isinstance(teacher, dict) else None)  # teachers
+        teacher = routed if routed is not None else teacher
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
         if cfg.train.gradient_checkpointing:
@@ -326,8 +328,9 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
             if ctx.is_main else NullLogger()
         engines = EngineSet()
 
-        def evaluate_now() -> dict:
-            return run_eval(cfg, tok, ctx.rollout_model(student), remote or teacher, task, held_out, ctx)
+        def evaluate_now() -> dict:  # several teachers: no teacher metrics in the evaluation
+            return run_eval(cfg, tok, ctx.rollout_model(student), remote or (None if routed else teacher), task,
+                            held_out, ctx)
 
         cfg_dict = config_to_dict(cfg)  # recorded in every checkpoint: a resume from another run's is refused
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
@@ -383,5 +386,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
             logger.close()
             if remote is not None:
                 remote.close()
+            if routed is not None:
+                routed.close()
     return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
             "final_eval": state.eval_history[-1] if state.eval_history else {}}

@@ -14,10 +14,11 @@ from opdistill.teacher import TeacherScores, score_teacher
 __all__ = ["connect_teacher", "score_rows", "score_rollouts"]
 
 
-def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
+def connect_teacher(cfg, tokenizer, student, tc=None, key: str = "teacher.url") -> RemoteTeacher | None:
     """The ``teacher.url`` client (``teacher.api``: our server, its /info checked against the student; or a stock
-    ``vllm serve`` endpoint), None when no url is set."""
-    tc = cfg.teacher
+    ``vllm serve`` endpoint), None when no url is set. ``tc``: another section with the same keys (a ``teachers``
+    entry; default ``cfg.teacher``), ``key``: its url's dotted key for the messages."""
+    tc = cfg.teacher if tc is None else tc
     if tc.url is None:
         return None
     try:
@@ -25,9 +26,9 @@ def connect_teacher(cfg, tokenizer, student) -> RemoteTeacher | None:
     except ImportError:
         from opdistill.errors import ConfigError
 
-        raise ConfigError("teacher.url: the teacher client needs the serve extra (httpx is missing): "
+        raise ConfigError(f"{key}: the teacher client needs the serve extra (httpx is missing): "
                           "pip install 'opdistill[serve]'") from None
-    kw = dict(token_file=tc.token_file, timeout_s=tc.timeout_s, retries=tc.retries, backoff_s=tc.backoff_s)
+    kw = dict(token_file=tc.token_file, timeout_s=tc.timeout_s, retries=tc.retries, backoff_s=tc.backoff_s, key=key)
     if tc.api == "vllm":  # a stock `vllm serve` endpoint: prompt_logprobs (what it cannot do: docs/teacher_service.md)
         client = VLLMPromptLogprobsTeacher(tc.url, model=tc.model, **kw)
     else:

@@ -53,6 +53,7 @@ RESUMABLE_KEYS = (
     "teacher.timeout_s",
     "teacher.retries",
     "teacher.backoff_s",
+    "teacher.overlap",  # requests overlapped with the student's forward or not: the same numbers (tested)
     "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
 )
 

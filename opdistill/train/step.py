@@ -18,6 +18,7 @@ from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled
                        shift_for_next_token)
 from opdistill.fused import causal_lm_hidden
 from opdistill.loss import select_backend
+from opdistill.train.teachers import PendingScores, TeacherMetrics, routed_split
 
 __all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step", "rollout_mismatch",
            "tis_weights"]
@@ -32,6 +33,10 @@ class StepData:
     teacher_sampled: torch.Tensor | None = None  # [B, S] teacher log-prob of token t+1
     sampler_logprobs: torch.Tensor | None = None  # [B, S] old log-probs (next-token layout)
     advantages: torch.Tensor | None = None  # [B] per-sequence advantage (broadcast over its tokens)
+    # several teachers (train/teachers.py): each row's teacher index into teacher_names; pending: scores on their way
+    row_teacher: torch.Tensor | None = None  # [B] int64
+    teacher_names: tuple | None = None
+    pending: PendingScores | None = None  # its fill(data) waits and sets teacher_topk / teacher_sampled
 
 
 def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -181,6 +186,8 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
             student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
     if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
         student = student.float()  # bf16 autocast: the losses upcast, do it once here
+    if data.pending is not None:  # a remote teacher's request ran during this forward (train/teachers.py)
+        data.pending.fill(data)
     loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs, mismatch,
                                 vocab)
     loss.backward()
@@ -207,7 +214,8 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     model.train()
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
-    micro = token_budget_split(lengths, micro_batch_tokens)
+    micro = token_budget_split(lengths, micro_batch_tokens) if data.row_teacher is None else \
+        routed_split(lengths, micro_batch_tokens, data.row_teacher, token_budget_split)  # one teacher per micro-batch
     if group is not None:
         count = torch.tensor([len(micro)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
@@ -217,14 +225,22 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     batch = GlobalBatch.from_masks(masks, group=group, loss_scale_factor=loss_scale_factor)
     optimizer.zero_grad(set_to_none=True)
     sums = MetricSums()
+    per_teacher = None if data.row_teacher is None else TeacherMetrics(data.teacher_names, data.row_teacher, mask)
     loss_sum = torch.zeros(())
     for i, rows in enumerate(micro):
         # DDP: gradients are all-reduced once, in the last micro-batch's backward (forward and backward under no_sync)
         last = i == len(micro) - 1
+        micro_sums = sums if per_teacher is None else MetricSums()
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             loss = _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs or {},
-                               bf16=bf16, fused_lm_head=fused_lm_head, sums=sums, mismatch=mismatch, vocab=vocab)
+                               bf16=bf16, fused_lm_head=fused_lm_head, sums=micro_sums, mismatch=mismatch,
+                               vocab=vocab)
+        if per_teacher is not None:
+            sums.merge(micro_sums)
+            per_teacher.add(rows, micro_sums, sums)
         loss_sum = loss_sum + loss
+    if per_teacher is not None:
+        per_teacher.finish(sums)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = _grad_norm(params, grad_clip)
     if group is not None:  # every rank applies the step or none does
