@@ -58,6 +58,8 @@ class ModelConfig(_Section):
     # --- LoRA students and attention (docs/trainer.md "LoRA students") ---
     lora: Optional[LoraConfig] = None  # LoRA adapters on the student (only they train); null = full fine-tuning
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
+    # --- teacher placement under torchrun (docs/distributed.md "Teacher placement") ---
+    teacher_sharded: bool = False  # FSDP2-shard the teacher over the data-parallel ranks (forward only); false: replicated
 
     @model_validator(mode="after")
     def _self_teacher(self):
@@ -296,6 +298,16 @@ class TrainerConfig(_Section):
         if rc.tis_cap is not None:
             need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
                  rc.tis_cap)
+        if self.model.teacher_sharded:  # an in-process teacher that only scores (opdistill/train/sharded_teacher.py)
+            no = "model.teacher_sharded"
+            need(self.teacher.url is None, no, "false with teacher.url (the server holds the teacher)", True)
+            need(self.teacher.engine == "hf", no, "false with teacher.engine vllm (the engine holds the teacher)", True)
+            need(self.data.teacher_cache is None, no, "false with data.teacher_cache (the cache replaces the teacher)",
+                 True)
+            need(self.model.teacher not in (None, "self"), no, "false without a teacher model folder (model.teacher "
+                 f"is {self.model.teacher!r})", True)
+            need(method != "off_policy", no, "false with train.method off_policy (the teacher decodes the samples, and "
+                 "a sharded teacher must run the same forwards on every rank)", True)
         if lc.use_task_rewards:
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
         return self

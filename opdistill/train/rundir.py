@@ -54,6 +54,7 @@ RESUMABLE_KEYS = (
     "teacher.retries",
     "teacher.backoff_s",
     "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
+    "model.teacher_sharded",  # where the teacher's weights live, not its scores (equal, tested)
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
