@@ -160,6 +160,8 @@ class TrainConfig(_Section):
     threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
     max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    # --- device placement (opdistill/train/placement.py; docs/distributed.md) ---
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: the models on cuda:LOCAL_RANK, nccl under torchrun
 
 
 class EvalConfig(_Section):
