@@ -18,8 +18,8 @@ What it runs (docs/distributed.md, "Tested on CPU, and what is not"):
 
 One summary line per check, then ``gpu_check: PASS`` or ``gpu_check: FAIL``; the exit status is 0 (pass),
 1 (a check failed) or 2 (refused: no CUDA device for ``--device cuda``, bad arguments). Everything lands in ``--out``
-(``summary.json``, each run's folder and log). Sized for ~3-5 minutes on one H200 (``--budget-s``, default 480, bounds
-the whole script).
+(``summary.json``, each run's folder and log). Sized for a few minutes on one H200 (not measured yet: no GPU when it
+was written); ``--budget-s`` (default 480) bounds the whole script.
 """
 from __future__ import annotations
 
