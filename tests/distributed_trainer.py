@@ -1,6 +1,7 @@
 """Launch target of tests/test_trainer_distributed.py: the trainer at world size 2 (gloo), several runs in one launch.
 
-``plan.json`` in ``out_dir`` lists the runs (name, config dict, options); each rank runs them in order. The tokens
+``plan.json`` in ``out_dir`` lists the runs (name, config dict, options); each rank runs them in order. An item
+``{"sharded_teacher_scores": teacher folder}`` compares the sharded teacher's scores with the replicated one's instead. The tokens
 every rank sampled are recorded per step (``{name}_tokens_rank{r}.json``) by wrapping the loop's
 ``generate_rollouts``, so the test can compare them with the one-process run's.
 """
@@ -37,6 +38,10 @@ def record_rollouts(sink: dict):
 def run_plan(rank: int, world: int, out_dir: str) -> None:
     plan = json.loads((Path(out_dir) / "plan.json").read_text())
     for item in plan:
+        if "sharded_teacher_scores" in item:  # not a run: the sharded teacher's scores (tests/test_trainer_distributed.py)
+            result = sharded_teacher_scores(rank, world, item["sharded_teacher_scores"])
+            (Path(out_dir) / f"sharded_scores_rank{rank}.json").write_text(json.dumps(result))
+            continue
         cfg = load_config(base=item["config"])
         if item.get("prepare_resume_from") is not None:  # a copy of a finished run cut back to one checkpoint
             if rank == 0:
@@ -54,3 +59,59 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
             restore()
         with open(os.path.join(out_dir, f"{item['name']}_tokens_rank{rank}.json"), "w") as f:
             json.dump(sink, f)
+
+
+def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
+    """``ShardedTeacher.score`` against the replicated teacher's ``score_rows`` on rows whose counts differ by rank
+    (rank 0: 5 rows with a chunk of no response position; the others: 2), then with no row at all on the last rank,
+    at ``row_chunk`` 2 (3 chunks vs 1: the short ranks run padding forwards) and at the default 64. Returns what the
+    test checks: every compared tensor exactly equal, the forwards run, whether the weights are sharded again."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from opdistill.models import load_model
+    from opdistill.train.remote_teacher import score_rows
+    from opdistill.train.sharded_teacher import ShardedTeacher
+
+    def rows(n, seed, S=9):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (n, S), generator=g)
+        am = torch.ones(n, S, dtype=torch.long)
+        am[:, :2] = (torch.arange(n)[:, None] % 2 == 0).long()  # left padding on every other row
+        resp = torch.zeros(n, S, dtype=torch.long)
+        resp[:, 5:] = 1
+        if n >= 4:
+            resp[2:4] = 0  # rows 2-3 (chunk 1 at row_chunk 2): nothing scored there
+        return ids, am, resp
+
+    vocab = load_model(teacher_dir).config.vocab_size
+    mesh = init_device_mesh_cpu(world)
+    out = {"exact": [], "forwards": [], "sharded_after": []}
+    for row_chunk in (2, 64):
+        reference = load_model(teacher_dir)
+        sharded = ShardedTeacher(load_model(teacher_dir), mesh, mesh.get_group(), row_chunk=row_chunk)
+        cases = [(5 if rank == 0 else 2, dict(k=4, sampled=True)),
+                 (0 if rank == world - 1 else 3, dict(k=None, sampled=True)),
+                 (3 if rank == 0 else 1, dict(k=4, sampled=False))]
+        for n, kw in cases:
+            ids, am, resp = rows(n, seed=10 * rank + n)
+            got = sharded.score(ids, am, resp, **kw)
+            want = score_rows(reference, ids, am, resp, **kw) if n else None
+            pairs = []
+            if kw["k"]:
+                pairs += [(got.topk.ids, None if want is None else want.topk.ids),
+                          (got.topk.logprobs, None if want is None else want.topk.logprobs)]
+            if kw["sampled"]:
+                pairs.append((got.sampled_logprobs, None if want is None else want.sampled_logprobs))
+            out["exact"].append(all((g.shape[0] == 0) if w is None else (g.shape == w.shape and torch.equal(g, w))
+                                    for g, w in pairs))
+        out["forwards"].append(sharded.forwards)
+        w = sharded.module.get_output_embeddings().weight
+        out["sharded_after"].append(isinstance(w, DTensor) and w.to_local().shape[0] < w.shape[0])
+    return out
+
+
+def init_device_mesh_cpu(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))

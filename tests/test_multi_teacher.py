@@ -331,6 +331,9 @@ def test_bad_multi_teacher_configs_are_refused_with_one_line():
     assert _bad(base, lambda c: c.update(train={"method": "off_policy"})) == \
         "teachers: set only with train.method on_policy (off_policy samples are written by one teacher; rl has no " \
         "teacher), got train.method 'off_policy'"
+    assert _bad(base, lambda c: c.update(train={"device": "cuda"})) == \
+        "train.device: expected cpu when teachers is set (named in-process teachers are not placed on a GPU in this " \
+        "version), got 'cuda'"
     assert _bad(base, lambda c: c["routing"].update(field="src")) == \
         "routing.field: expected 'task' with data.task 'mix' (a column name needs data.task dataset), got 'src'"
 

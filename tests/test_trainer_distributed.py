@@ -1,10 +1,12 @@
 """``opdistill train`` on torch.distributed (gloo, 2 processes) against the one-process run of the same config.
 
 One ``mp.spawn`` launch (tests/distributed_trainer.py) runs every world-2 trainer case in order: on_policy (FSDP2,
-4 steps, a checkpoint each step), its resume at world 2 from the step-2 checkpoint, off_policy (DDP) and rl (FSDP2),
-then the same 2 processes as a 1 x 2 (dp x tp) mesh with ``distributed.tp_size=2`` (vocab-parallel lm_head:
-on_policy, rl, the sampled-token loss on an odd vocabulary, and on_policy in fp64 with its checkpoints). One more
-launch runs a 2 x 2 mesh on 4 processes. The world-1 runs happen in this process. Then one ``torchrun -m opdistill train`` launch covers the real entry point
+4 steps, a checkpoint each step), its resume at world 2 from the step-2 checkpoint, the sharded teacher's scores
+against the replicated teacher's, on_policy with ``model.teacher_sharded`` (2 steps), off_policy (DDP) and rl
+(FSDP2), two routed teachers, then the same 2 processes as a 1 x 2 (dp x tp) mesh with ``distributed.tp_size=2``
+(vocab-parallel lm_head: on_policy, rl, the sampled-token loss on an odd vocabulary, and on_policy in fp64 with
+its checkpoints). One more launch runs a 2 x 2 mesh on 4 processes. The world-1 runs happen in this process.
+Then one ``torchrun -m opdistill train`` launch covers the real entry point
 on the demo config, and one more a rank that raises (the job must stop promptly with that rank's error).
 
 Expectations: the same sampled tokens (keyed sampling, rows of a prompt on one rank), per-step
@@ -73,7 +75,10 @@ def _configs(tmp: Path) -> dict:
     mt["teachers"] = [{"name": "a", "path": mt["model"]["student"]}, {"name": "b", "path": on["model"]["teacher"]}]
     mt["routing"] = {"table": {"short": "a", "long": "b"}}
     mt["checkpoint"] = {"every": 0, "save_final": False}
-    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt}
+    # the teacher FSDP2-sharded over the ranks: 2 steps, no checkpoint (its losses are compared with "on"'s first 2)
+    on_tshard = {**on, "model": {**on["model"], "teacher_sharded": True}, "train": {**on["train"], "steps": 2},
+                 "checkpoint": {"every": 0, "save_final": False}}
+    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt, "on_tshard": on_tshard}
 
 
 def _tp(cfg: dict, tp: int = 2, steps: int | None = None) -> dict:
@@ -135,6 +140,8 @@ def runs(tmp_path_factory):
          "prepare_resume_from": str(tmp / "w2_on"), "resume_step": 2},
         {"name": "on_from1", "config": _with_run_dir(cfgs["on"], tmp / "w2_on_from1"), "resume": True,
          "prepare_resume_from": str(tmp / "w1_on"), "resume_step": 2},
+        {"sharded_teacher_scores": cfgs["on"]["model"]["teacher"]},
+        {"name": "on_tshard", "config": _with_run_dir(cfgs["on_tshard"], tmp / "w2_on_tshard")},
         {"name": "off", "config": _with_run_dir(cfgs["off"], tmp / "w2_off")},
         {"name": "rl", "config": _with_run_dir(cfgs["rl"], tmp / "w2_rl")},
         # distributed.tp_size=2 on the same 2 processes: a 1 x 2 (dp x tp) mesh, vocab-parallel lm_head
@@ -154,7 +161,7 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled", "mt"):
+    for name in ("off", "rl", "sampled", "mt", "on_tshard"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
@@ -198,6 +205,55 @@ def test_world2_evaluation_equals_world1(runs):
                     assert a[k] == b[k], k
                 else:
                     assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
+
+
+def test_sharded_teacher_scores_equal_the_replicated_teachers(runs):
+    """``model.teacher_sharded``: FSDP2's gathered weights are the teacher's, so the scores are bit-identical, also
+    with row counts that differ by rank (padding forwards keep FSDP2's collectives in step: same count per rank)
+    and a rank with no row; the weights are sharded again after each call."""
+    tmp, _, _ = runs
+    results = [json.loads((tmp / "out" / f"sharded_scores_rank{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        assert r["exact"] == [True] * 6
+        assert r["forwards"] == [7, 3]  # row_chunk 2: 3 + 2 + 2 chunks on the longest rank; row_chunk 64: 1 per call
+        assert r["sharded_after"] == [True, True]
+
+
+def test_sharded_teacher_trains_as_the_replicated_one(runs):
+    """A torchrun-style world-2 run with ``model.teacher_sharded: true``: the same per-step losses and gradient norms
+    as the replicated teacher's run (exactly: the scores are identical) and as world 1 (1e-5), the same evaluation,
+    one metrics line per step; at world 1 (no process group) the flag keeps the teacher as it is and trains the
+    same."""
+    tmp, _, tokens1 = runs
+    replicated, sharded = _losses(tmp / "w2_on")[:2], _losses(tmp / "w2_on_tshard")
+    assert len(sharded) == 2 and all(gn > 0 for *_, gn in sharded)
+    assert sharded == replicated
+    _assert_close_rows(sharded, _losses(tmp / "w1_on")[:2])
+    assert _eval_rows(tmp / "w2_on_tshard")[0] == _eval_rows(tmp / "w2_on")[0]  # step 0: the teacher-KL included
+    assert "eval/teacher_kl" in _eval_rows(tmp / "w2_on_tshard")[0]
+    assert [r["step"] for r in read_metrics(tmp / "w2_on_tshard") if "train/grad_norm" in r] == [1, 2]
+    assert _world2_tokens(tmp / "out", "on_tshard") == tokens1["on_tshard"]
+    assert _losses(tmp / "w1_on_tshard") == _losses(tmp / "w1_on")[:2]
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"teacher": {"url": "http://127.0.0.1:1"}}, "with teacher.url (the server holds the teacher)"),
+    ({"teacher": {"engine": "vllm"}}, "with teacher.engine vllm (the engine holds the teacher)"),
+    ({"train": {"method": "off_policy"}}, "with train.method off_policy (the teacher decodes the samples, and a "
+                                          "sharded teacher must run the same forwards on every rank)"),
+    ({"train": {"method": "off_policy"}, "data": {"teacher_cache": "c.safetensors"}},
+     "with data.teacher_cache (the cache replaces the teacher)"),
+    ({"train": {"method": "rl"}, "model": {"teacher": None}, "rollout": {"n": 2}},
+     "without a teacher model folder (model.teacher is None)"),
+])
+def test_teacher_sharded_refuses_what_has_no_in_process_teacher_to_shard(extra, why):
+    base = {"model": {"student": "s", "teacher": "t", "teacher_sharded": True},
+            "loss": {"loss_mode": "topk", "topk": 4}}
+    for section, values in extra.items():
+        base[section] = {**base.get(section, {}), **values}
+    with pytest.raises(ConfigError) as e:
+        load_config(base=base)
+    assert str(e.value) == f"model.teacher_sharded: expected false {why}, got True"
 
 
 def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):

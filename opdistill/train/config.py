@@ -59,6 +59,8 @@ class ModelConfig(_Section):
     # --- LoRA students and attention (docs/trainer.md "LoRA students") ---
     lora: Optional[LoraConfig] = None  # LoRA adapters on the student (only they train); null = full fine-tuning
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
+    # --- teacher placement under torchrun (docs/distributed.md "Teacher placement") ---
+    teacher_sharded: bool = False  # FSDP2-shard the teacher over the data-parallel ranks (forward only); false: replicated
 
     @model_validator(mode="after")
     def _self_teacher(self):
@@ -159,6 +161,8 @@ class TrainConfig(_Section):
     threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
     max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    # --- device placement (opdistill/train/placement.py; docs/distributed.md) ---
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: the models on cuda:LOCAL_RANK, nccl under torchrun
 
 
 class EvalConfig(_Section):
@@ -325,6 +329,16 @@ class TrainerConfig(_Section):
         if rc.tis_cap is not None:
             need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
                  rc.tis_cap)
+        if self.model.teacher_sharded:  # an in-process teacher that only scores (opdistill/train/sharded_teacher.py)
+            no = "model.teacher_sharded"
+            need(self.teacher.url is None, no, "false with teacher.url (the server holds the teacher)", True)
+            need(self.teacher.engine == "hf", no, "false with teacher.engine vllm (the engine holds the teacher)", True)
+            need(self.data.teacher_cache is None, no, "false with data.teacher_cache (the cache replaces the teacher)",
+                 True)
+            need(self.model.teacher not in (None, "self"), no, "false without a teacher model folder (model.teacher "
+                 f"is {self.model.teacher!r})", True)
+            need(method != "off_policy", no, "false with train.method off_policy (the teacher decodes the samples, and "
+                 "a sharded teacher must run the same forwards on every rank)", True)
         if lc.use_task_rewards:
             need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
         return self
@@ -350,6 +364,9 @@ class TrainerConfig(_Section):
         if self.teacher.engine != "hf":
             raise ConfigError(f"teacher.engine: expected hf when teachers is set (named teachers score with hf in "
                               f"process or over their url), got {self.teacher.engine!r}")
+        if self.train.device != "cpu":
+            raise ConfigError(f"train.device: expected cpu when teachers is set (named in-process teachers are not "
+                              f"placed on a GPU in this version), got {self.train.device!r}")
         if self.train.method != "on_policy":
             raise ConfigError(f"teachers: set only with train.method on_policy (off_policy samples are written by one "
                               f"teacher; rl has no teacher), got train.method {self.train.method!r}")

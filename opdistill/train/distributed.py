@@ -4,7 +4,7 @@
 holds everything that differs between them (docs/distributed.md):
 
 - :func:`init_distributed` joins the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the
-  environment; backend ``auto`` = nccl on CUDA, gloo on CPU, and the trainer runs on CPU in this version), or reuses
+  environment; backend ``auto`` = nccl on CUDA (``train.device: cuda``), gloo on CPU), or reuses
   one already initialized; a plain process
   gets a :class:`DistContext` of world size 1 with no group, and no collective ever runs.
 - Data parallelism: every rank owns a contiguous share of the step's prompts (``data.prompts_per_step`` must divide
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from opdistill.errors import ConfigError, UserError
+from opdistill.train.placement import run_device
 
 __all__ = ["DistContext", "PeerError", "init_distributed", "launched_by_torchrun", "resolve_backend",
            "wrap_student"]
@@ -58,8 +59,7 @@ def launched_by_torchrun() -> bool:
 
 
 def resolve_backend(name: str, device_type: str = "cpu") -> str:
-    """``auto``: nccl for a run on CUDA devices, gloo on CPU. The trainer places its models on the CPU in this
-    version, so ``auto`` resolves to gloo (docs/distributed.md)."""
+    """``auto``: nccl for a run on CUDA devices (``train.device: cuda``), gloo on CPU (docs/distributed.md)."""
     if name == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
     return name
@@ -207,11 +207,15 @@ def init_distributed(cfg) -> DistContext:
         # a one-process group someone else made (an in-process vLLM engine initializes one): train as one process
         return DistContext()
     owns = False
+    device = run_device(cfg)  # train.device: cpu, or cuda:LOCAL_RANK (opdistill/train/placement.py)
     if not dist.is_initialized():
-        backend = resolve_backend(dc.backend)
-        if backend == "nccl":
-            raise ConfigError("distributed.backend: nccl needs the trainer on CUDA devices, which this version does "
-                              "not place models on yet; use distributed.backend=gloo (docs/distributed.md)")
+        backend = resolve_backend(dc.backend, device.type)
+        if (backend == "nccl") != (device.type == "cuda"):
+            raise ConfigError(f"distributed.backend: {backend} does not fit train.device={device.type} (nccl is for "
+                              f"CUDA, gloo for CPU); use distributed.backend=auto (docs/distributed.md)")
+        if backend == "nccl":  # the loop also reduces small CPU tensors: those go through gloo
+            torch.cuda.set_device(device)
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=dc.timeout_s))
         owns = True
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -231,11 +235,11 @@ def init_distributed(cfg) -> DistContext:
             raise ConfigError("train.fused_lm_head: not supported with distributed.strategy=fsdp2 (the fused loss "
                               "reads the whole lm_head); use distributed.strategy=ddp or train.fused_lm_head=false")
         if dc.tp_size > 1:
-            build_mesh(ctx, dc.tp_size)  # (dp, tp): ctx.mesh and ctx.group become the data-parallel ones
+            build_mesh(ctx, dc.tp_size, device.type)  # (dp, tp): ctx.mesh and ctx.group become the data-parallel ones
         else:
             from torch.distributed.device_mesh import init_device_mesh
 
-            ctx.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            ctx.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
             ctx.group = ctx.mesh.get_group()
     except BaseException:
         ctx.close()

@@ -156,13 +156,15 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     tail, q, p, overlap = (torch.zeros(s.num_rows, dtype=torch.float64) for _ in range(4))
     ids = torch.where(m.unsqueeze(-1), scores.topk.ids, 0)
     lp = torch.where(m.unsqueeze(-1), scores.topk.logprobs, float("-inf"))  # masked rows: empty slots
+    dev = next(student.parameters()).device  # train.device cuda: the rows go there, the sums come back
     for r0 in range(0, s.num_rows, batch_size):
         rows = slice(r0, r0 + batch_size)
-        logits = student(input_ids=s.input_ids[rows], attention_mask=s.attention_mask[rows]).logits.float()
-        res = topk_divergence(logits, ids[rows], lp[rows], support="tail", divergence="reverse")
+        logits = student(input_ids=s.input_ids[rows].to(dev), attention_mask=s.attention_mask[rows].to(dev)).logits
+        res = topk_divergence(logits.float(), ids[rows].to(dev), lp[rows].to(dev), support="tail",
+                              divergence="reverse")
         mr = m[rows]
         for acc, x in ((tail, res.loss), (q, res.student_mass), (p, res.teacher_mass), (overlap, res.overlap_count)):
-            acc[rows] = torch.where(mr, x.double(), 0.0).sum(-1)
+            acc[rows] = torch.where(mr, x.double().cpu(), 0.0).sum(-1)
     vals.tail_kl_sum, vals.student_mass_sum = _per_problem(tail, idx, P), _per_problem(q, idx, P)
     vals.teacher_mass_sum, vals.overlap_count = _per_problem(p, idx, P), _per_problem(overlap, idx, P)
     vals.overlap_slots = vals.tokens * ids.shape[-1]

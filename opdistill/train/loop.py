@@ -46,6 +46,8 @@ from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.remote_teacher import connect_teacher
 from opdistill.train.teachers import attach_scores, open_teachers
+from opdistill.train.sharded_teacher import shard_teacher
+from opdistill.train.placement import place_models, run_device
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
@@ -307,7 +309,10 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
             enable_gradient_checkpointing(student)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
             check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
+        student, teacher = place_models(run_device(cfg), student, teacher,  # train.device: cpu | cuda:LOCAL_RANK
+                                        teacher_sharded=ctx.enabled and cfg.model.teacher_sharded)
         student = wrap_student(ctx, student)  # FSDP2 or DDP under torchrun; unchanged in one process
+        teacher = shard_teacher(ctx, cfg, teacher)  # model.teacher_sharded: FSDP2 over the data-parallel group
         oc = cfg.optim
         params = [p for p in student.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, oc)  # AdamW, fused where available (opdistill/train/optim.py)

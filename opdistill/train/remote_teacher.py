@@ -10,6 +10,7 @@ from opdistill.batch import shift_for_next_token
 from opdistill.engines.remote import RemoteTeacher, VLLMPromptLogprobsTeacher
 from opdistill.engines.vllm import VllmEngine
 from opdistill.teacher import TeacherScores, score_teacher
+from opdistill.train.sharded_teacher import ShardedTeacher
 
 __all__ = ["connect_teacher", "score_rows", "score_rollouts"]
 
@@ -44,11 +45,14 @@ def connect_teacher(cfg, tokenizer, student, tc=None, key: str = "teacher.url") 
 def score_rows(teacher, input_ids, attention_mask, response_mask, *, k: int | None, sampled: bool,
                what: str = "") -> TeacherScores:
     """Teacher top-k (``k``) and/or next-token log-probs of padded rows, from ``teacher``: a model (in process) or a
-    :class:`RemoteTeacher` (our server or, as its subclass, a vLLM endpoint), or an in-process vLLM teacher engine
-    (``teacher.engine: vllm``); the same TeacherScores either way. The one place that chooses the scorer."""
+    :class:`RemoteTeacher` (our server or, as its subclass, a vLLM endpoint), an in-process vLLM teacher engine
+    (``teacher.engine: vllm``), or a :class:`ShardedTeacher` (``model.teacher_sharded``); the same TeacherScores
+    either way. The one place that chooses the scorer."""
     if isinstance(teacher, RemoteTeacher):
         return teacher.score(input_ids, attention_mask, response_mask, k=k, sampled=sampled,
                              what=what or f"{input_ids.shape[0]} rows x {input_ids.shape[1]} positions")
+    if isinstance(teacher, ShardedTeacher):  # model.teacher_sharded: every rank calls this together
+        return teacher.score(input_ids, attention_mask, response_mask, k=k, sampled=sampled)
     targets, scored = shift_for_next_token(input_ids, response_mask)  # only the response positions are scored
     if isinstance(teacher, VllmEngine):
         return teacher.score(input_ids, attention_mask, k=k, sampled_ids=targets if sampled else None)

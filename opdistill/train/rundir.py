@@ -55,6 +55,7 @@ RESUMABLE_KEYS = (
     "teacher.backoff_s",
     "teacher.overlap",  # requests overlapped with the student's forward or not: the same numbers (tested)
     "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
+    "model.teacher_sharded",  # where the teacher's weights live, not its scores (equal, tested)
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).

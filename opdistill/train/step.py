@@ -19,6 +19,7 @@ from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled
 from opdistill.fused import causal_lm_hidden
 from opdistill.loss import select_backend
 from opdistill.train.teachers import PendingScores, TeacherMetrics, routed_split
+from opdistill.train.placement import data_to
 
 __all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step", "rollout_mismatch",
            "tis_weights"]
@@ -177,7 +178,7 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
     """Forward, loss and backward of one micro-batch; its metrics merged into ``sums``; returns the detached loss."""
     L = max(lengths[r] for r in rows)
     idx = torch.tensor(rows)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    autocast = torch.autocast(data.input_ids.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with autocast:
         if fused_lm_head:
             student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
@@ -212,6 +213,7 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     ``vocab``: ``dict(vocab_group=, vocab_size=)`` when ``model``'s logits are this rank's vocabulary shard
     (``distributed.tp_size > 1``, train/tensor_parallel.py): every log-prob and loss then runs vocab-parallel."""
     model.train()
+    data = data_to(data, next(model.parameters()).device)  # train.device cuda: the rows onto the student's device
     targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
     lengths = data.attention_mask.sum(-1).tolist()
     micro = token_budget_split(lengths, micro_batch_tokens) if data.row_teacher is None else \

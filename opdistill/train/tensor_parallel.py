@@ -105,13 +105,13 @@ def shard_student(student, tp: TensorParallel) -> None:
     tp.vocab_size = V
 
 
-def build_mesh(ctx, tp_size: int) -> None:
+def build_mesh(ctx, tp_size: int, device_type: str = "cpu") -> None:
     """The (dp, tp) mesh of ``ctx``'s world: ``ctx.mesh``/``ctx.group`` become the dp ones, ``ctx.tp`` the tp side,
     ``ctx.dp_rank``/``ctx.dp_world`` this rank's data-parallel coordinates, ``ctx.all_group`` every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (ctx.world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type, (ctx.world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     ctx.mesh, ctx.group = mesh["dp"], mesh.get_group("dp")
     ctx.tp = TensorParallel(size=tp_size, mesh=mesh["tp"], group=mesh.get_group("tp"))
     ctx.dp_rank, ctx.dp_world = mesh.get_local_rank("dp"), ctx.world // tp_size

@@ -1,0 +1,63 @@
+"""Which device the trainer's models live on (``train.device``; docs/distributed.md).
+
+``cpu`` (default) keeps everything where it was: the models on the CPU, gloo under torchrun. ``cuda`` places the
+student and the teacher on ``cuda:LOCAL_RANK`` (torchrun's local rank; 0 in a plain process) right after they load;
+under torchrun the process group is then nccl for CUDA tensors and gloo for the CPU tensors the loop reduces
+(``cpu:gloo,cuda:nccl``). Rollouts, teacher scores and the step's rows stay on the CPU between phases; each consumer
+(the sampler, the teacher scorer, :func:`opdistill.train.step.train_step`, the evaluation) moves what it reads to its
+model's device. The CUDA path runs only on a machine with a GPU (scripts/gpu_check.py); the default suite runs on CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from opdistill.errors import ConfigError
+
+__all__ = ["run_device", "place_models", "data_to"]
+
+
+def run_device(cfg) -> torch.device:
+    """The device of this process's models: ``cpu``, or ``cuda:LOCAL_RANK`` (refused with one line when torch sees no
+    CUDA device, or fewer than LOCAL_RANK + 1)."""
+    if cfg.train.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda, but torch sees no CUDA device here (torch.cuda.is_available() is "
+                          f"False; torch {torch.__version__}, built with CUDA {torch.version.cuda}); use "
+                          "train.device=cpu or a machine with a GPU")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ConfigError(f"train.device: cuda, but this process is local rank {local} and torch sees "
+                          f"{torch.cuda.device_count()} CUDA device(s); start at most that many processes per node")
+    return torch.device("cuda", local)
+
+
+def place_models(device: torch.device, student, teacher, *, teacher_sharded: bool = False):
+    """(student, teacher) on ``device``. ``teacher_sharded``: leave the teacher where it loaded (``fully_shard``
+    moves each of its shards to the mesh's device, one layer at a time, so the whole teacher never sits on one
+    device). A teacher of None stays None; ``model.teacher: self`` follows the student."""
+    if device.type == "cpu":
+        return student, teacher
+    torch.cuda.set_device(device)
+    student = student.to(device)
+    if isinstance(teacher, torch.nn.Module) and not teacher_sharded:
+        teacher = teacher.to(device)
+    return student, teacher
+
+
+def data_to(data, device: torch.device):
+    """A :class:`~opdistill.train.step.StepData` with every tensor on ``device`` (itself when already there)."""
+    if data.input_ids.device == device:
+        return data
+    moved = {}
+    for f in dataclasses.fields(data):
+        v = getattr(data, f.name)
+        if isinstance(v, torch.Tensor):
+            v = v.to(device)
+        elif v is not None and hasattr(v, "ids") and hasattr(v, "logprobs"):  # TeacherTopK
+            v = type(v)(v.ids.to(device), v.logprobs.to(device), validated=v.validated)
+        moved[f.name] = v
+    return dataclasses.replace(data, **moved)
