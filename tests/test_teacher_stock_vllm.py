@@ -37,11 +37,11 @@ DEMO = ROOT / "opdistill" / "assets" / "demo"
 SERVED = "demo-teacher"
 MAX_LOGPROBS = 12  # the server's --max-logprobs (the demo vocabulary is 18)
 START_TIMEOUT_S = 300
-# measured max |stock vLLM - in-process hf| log-prob on the demo teacher, CPU float32, over the rows of demo_rows
-# (2 x 288 + 116 scored positions): top-12 2.8e-5, next-token 1.6e-5; top-K ids identical. Bound with ~4x room
+# measured max |stock vLLM - in-process hf| log-prob on the demo teacher, CPU float32, at the scored positions of
+# demo_rows: top-K (K = 12 and 8) 3.9e-5, next-token 1.6e-5; top-K ids identical. Bound with ~2.5x room
 LP_BOUND = 1e-4
-# measured |loss(stock vLLM) - loss(in-process)| / loss over 2 steps of configs/demo_carry_add.yaml: see
-# test_two_training_steps_equal_the_in_process_teachers. Bound with ~10x room
+# measured |loss(stock vLLM) - loss(in-process)| / loss over 2 steps of configs/demo_carry_add.yaml: 1.39e-6 and
+# 1.37e-6. Bound with ~15x room
 LOSS_REL_BOUND = 2e-5
 
 
@@ -108,7 +108,8 @@ def _rows(V=18, B=4, S=30, seed=1):
 @pytest.fixture(scope="module")
 def demo_rows():
     """Right-padded prompt + response rows as the trainer holds them: the demo student's samples on carry-add
-    prompts (twice: the second time every prompt prefix is in vLLM's prefix cache), plus random rows."""
+    prompts (sent twice: vLLM's prefix cache holds them the second time, which prompt_logprobs requests must not
+    read), plus random rows."""
     import random
 
     from opdistill.data import CarryAdditionTask, render_prompt
@@ -202,7 +203,8 @@ def test_k_above_max_logprobs_is_refused_in_one_line(stock_vllm, tmp_path, capsy
     with VLLMPromptLogprobsTeacher(stock_vllm) as c:
         with pytest.raises(TeacherServiceError) as e:
             c.score(ids, am, rm, k=k, what="step 3")
-        assert str(e.value) == f"teacher.url={stock_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: {reason}"
+        assert str(e.value) == (f"teacher.url={stock_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
+                                f"{reason}")
         assert c.score(ids, am, rm, k=2).topk.ids.shape == (*ids.shape, 2)  # still serving
     with VLLMPromptLogprobsTeacher(stock_vllm, model="other") as c:  # checked against /v1/models before any score
         with pytest.raises(TeacherServiceError) as e:
