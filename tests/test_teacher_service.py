@@ -481,8 +481,8 @@ def test_server_killed_mid_run_then_the_run_resumes(models, in_process_run, tmp_
 def fake_vllm_app(teacher, served="the-teacher", max_logprobs=20):
     """A stand-in for `vllm serve`'s OpenAI completions endpoint with vLLM's prompt_logprobs, in vLLM's documented
     shape (list per prompt position of {"<id>": {"logprob", "rank", "decoded_token"}}, position 0 null; the top-K
-    plus the actual token). The log-probs are the float32 log-softmax of the teacher's logits on the unpadded
-    prompt. It is not vLLM: it checks our parser against the documented shape."""
+    plus the actual token), its error body the one vLLM 0.32 sends. The log-probs are the float32 log-softmax of the
+    teacher's logits on the unpadded prompt. It is not vLLM: tests/test_teacher_stock_vllm.py runs the real one."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -496,8 +496,10 @@ def fake_vllm_app(teacher, served="the-teacher", max_logprobs=20):
     def completions(body: dict):
         k = body["prompt_logprobs"]
         if k > max_logprobs:
-            return JSONResponse({"object": "error", "message": f"Requested prompt logprobs of {k}, which is greater "
-                                 f"than max allowed: {max_logprobs}", "code": 400}, status_code=400)
+            return JSONResponse({"error": {"message": f"Requested prompt logprobs of {k}, which is greater than max "
+                                           f"allowed: {max_logprobs} (parameter=prompt_logprobs, value={k})",
+                                           "type": "BadRequestError", "param": "prompt_logprobs", "code": 400}},
+                                status_code=400)
         choices = []
         for i, prompt in enumerate(body["prompt"]):
             with torch.no_grad():
@@ -562,7 +564,9 @@ def test_vllm_style_endpoint_errors_name_the_server_and_the_request(models, fake
         with pytest.raises(TeacherServiceError) as e:
             c.score(ids, am, rm, k=8, what="step 3")
         assert str(e.value) == (f"teacher.url={fake_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
-                                f"Requested prompt logprobs of 8, which is greater than max allowed: 6")
+                                f"Requested prompt logprobs of 8, which is greater than max allowed: 6 "
+                                f"(parameter=prompt_logprobs, value=8); lower loss.topk to at most the server's "
+                                f"--max-logprobs, or restart vllm serve with --max-logprobs >= 8")
         with pytest.raises(TeacherServiceError, match=r"rows must be right-padded"):
             c.score(ids, torch.tensor([[0, 1, 1, 1, 1]]), rm, k=2)
     with VLLMPromptLogprobsTeacher(fake_vllm, model="other") as c:

@@ -567,7 +567,13 @@ class VLLMPromptLogprobsTeacher(RemoteTeacher):
         prompts = [input_ids[b, : int(lengths[b])].tolist() for b in range(B)]
         body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "prompt_logprobs": k or 0,
                 "temperature": 1.0}
-        resp = self._request("POST", "/v1/completions", what, json=body)
+        try:
+            resp = self._request("POST", "/v1/completions", what, json=body)
+        except TeacherServiceError as e:  # vLLM's 400 names the limit, not the key: add the fix
+            if k and "was refused: HTTP 400" in str(e) and "prompt logprobs" in str(e):
+                raise TeacherServiceError(f"{e}; lower loss.topk to at most the server's --max-logprobs, or restart "
+                                          f"vllm serve with --max-logprobs >= {k}") from None
+            raise
         keep = scored_positions(response_mask)
         ids = torch.zeros(B, S, k or 0, dtype=torch.long)
         lp = torch.full((B, S, k or 0), float("-inf"))

