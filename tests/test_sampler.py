@@ -337,17 +337,22 @@ def _tiny_qwen2(tok, **over):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_gqa"])
-def test_lean_decode_equals_the_model_forward(tiny, demo, arch):
+@pytest.mark.parametrize("arch,fuse", [("llama", True), ("qwen2_gqa", True), ("qwen2_gqa", False)])
+def test_lean_decode_equals_the_model_forward(demo, monkeypatch, arch, fuse):
     """The lean decode step (Qwen2 / Llama family) is the model's own forward up to fp32 rounding: log-probs equal a
     float64 full re-forward of prompt + response (ragged left padding, n > 1, rows finishing at different
-    lengths) and the samples and log-probs equal those of the model's forward path (lean_decode=False)."""
+    lengths) and the samples and log-probs equal those of the model's forward path (lean_decode=False); with the
+    fused q/k/v and gate/up GEMMs and without."""
+    import opdistill.engines.sampler as sm
     from opdistill.engines.sampler import _lean_decoder
 
+    if not fuse:  # separate q/k/v and gate/up GEMMs (models whose fused weights would exceed _FUSE_BYTES)
+        monkeypatch.setattr(sm, "_FUSE_BYTES", 0)
     tok = demo[0]
     prompts = demo[3][:6]
     model = demo[1] if arch == "llama" else _tiny_qwen2(tok)
-    assert _lean_decoder(model) is not None
+    lean = _lean_decoder(model)
+    assert lean is not None and all((len(x[1]) == 1) == fuse for x in lean.layers)
     kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
               step=3, want_logprobs=True)
     out = sample(model, prompts, **kw)

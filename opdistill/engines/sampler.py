@@ -109,13 +109,13 @@ def _lean_decoder(model):
     except ImportError:  # pragma: no cover - an older transformers
         return None
     families = {qwen2.Qwen2ForCausalLM: (qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
-                                         qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding, qwen2.apply_rotary_pos_emb),
+                                         qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
                 llama.LlamaForCausalLM: (llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
-                                         llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding, llama.apply_rotary_pos_emb)}
+                                         llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding)}
     fam = families.get(type(model))
     if fam is None:
         return None
-    Layer, Attn, Mlp, Norm, Rope, rope_fn = fam
+    Layer, Attn, Mlp, Norm, Rope = fam
     cfg, base = model.config, getattr(model, "model", None)
     if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
@@ -143,31 +143,46 @@ def _lean_decoder(model):
             return None
     if any(type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor for p in model.parameters()):
         return None
-    return _LeanDecoder(model, rope_fn)
+    return _LeanDecoder(model)
+
+
+_FUSE_BYTES = 256 << 20  # the lean decoder fuses q/k/v and gate/up weights while the copies stay under this size
 
 
 class _LeanDecoder:
-    """One decode token for a Qwen2 / Llama causal LM through the model's own modules and weights, without the
-    per-call work of the HF forward (mask building, cache objects, output dataclasses, kwargs plumbing): the same
-    computation as the model's forward at ``q_len = 1`` (RMSNorm, q/k/v projections, the model's rotary embedding
-    module and ``apply_rotary_pos_emb``, SDPA over a preallocated KV cache with the padding mask, o_proj, MLP, final
-    norm, lm_head), equal to it up to floating-point rounding (tests/test_sampler.py). Built only by ``_lean_decoder``.
+    """One decode token for a Qwen2 / Llama causal LM with the model's own weights, without the per-call work of the
+    HF forward (mask building, cache objects, output dataclasses, kwargs plumbing): the computation of the model's
+    forward at ``q_len = 1`` (RMSNorm, q/k/v projections, rotary embedding from the model's own rotary module, SDPA
+    over a preallocated KV cache with the padding mask, o_proj, MLP, final norm, lm_head), equal to it up to
+    floating-point rounding (tests/test_sampler.py). Built only by ``_lean_decoder``.
+
+    Fewer ops per token: the q/k/v and the gate/up projections run as one GEMM each on concatenated weights (copies
+    made per ``sample`` call, only while they total under ``_FUSE_BYTES``; separate GEMMs otherwise), and the rotary
+    embedding is applied to q and k together as ``x * cos + roll(x, D/2) * sin'`` with ``sin' = [-sin_1, sin_2]``,
+    which is ``rotate_half(x) * sin`` element for element (a sign moved between the factors of a product).
     """
 
-    def __init__(self, model, rope_fn):
+    def __init__(self, model):
         base = model.model
-        self.embed, self.rope, self.rope_fn = base.embed_tokens, base.rotary_emb, rope_fn
+        self.embed, self.rope = base.embed_tokens, base.rotary_emb
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = (model.lm_head.weight, model.lm_head.bias)
+        linears = [[x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj, x.mlp.gate_proj, x.mlp.up_proj]
+                   for x in base.layers]
+        fuse = sum(m.weight.numel() * m.weight.element_size() for ls in linears for m in ls) <= _FUSE_BYTES
         self.layers = []
-        for layer in base.layers:
+        for layer, (qp, kp, vp, gp, up) in zip(base.layers, linears):
             a, m, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            self.layers.append(((n1.weight, n1.variance_epsilon), (a.q_proj.weight, a.q_proj.bias),
-                                (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias),
-                                (a.o_proj.weight, a.o_proj.bias), (n2.weight, n2.variance_epsilon),
-                                (m.gate_proj.weight, m.gate_proj.bias), (m.up_proj.weight, m.up_proj.bias),
-                                (m.down_proj.weight, m.down_proj.bias), m.act_fn, a.head_dim, a.num_key_value_groups,
-                                a.scaling))
+            H, Hkv, D = qp.weight.shape[0] // a.head_dim, kp.weight.shape[0] // a.head_dim, a.head_dim
+            if fuse:
+                qkv = [_cat_linear((qp, kp, vp))]
+                gate_up = [_cat_linear((gp, up))]
+            else:
+                qkv = [(x.weight, x.bias) for x in (qp, kp, vp)]
+                gate_up = [(x.weight, x.bias) for x in (gp, up)]
+            self.layers.append(((n1.weight, n1.variance_epsilon), qkv, (a.o_proj.weight, a.o_proj.bias),
+                                (n2.weight, n2.variance_epsilon), gate_up, (m.down_proj.weight, m.down_proj.bias),
+                                m.act_fn, H, Hkv, D, a.scaling))
         # cos/sin of every position at once when the rotary embedding does not depend on the sequence seen so far
         self.static_rope = not any(w in str(getattr(self.rope, "rope_type", "")) for w in ("dynamic", "longrope"))
         self.cos = self.sin = None
@@ -181,6 +196,12 @@ class _LeanDecoder:
         torch's fused ``rms_norm`` for the normalisation (same formula; equal up to rounding)."""
         weight, eps = norm
         return weight * torch.nn.functional.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    @staticmethod
+    def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin') with sin' = [-sin[:D/2], sin[D/2:]] so that rotate_half(x) * sin = roll(x, D/2) * sin'."""
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     def start(self, cache, rows: torch.Tensor, attn: torch.Tensor, columns: int, max_position: int) -> None:
         """Copy the prefill ``cache`` (one row per prompt) into preallocated buffers of ``columns`` positions, one row
@@ -198,9 +219,8 @@ class _LeanDecoder:
         self.mask = mask[:, None, None, :]
         if self.static_rope:
             w = self.embed.weight
-            self.cos, self.sin = self.rope(w.new_zeros(1, 1, w.shape[1]),
-                                           torch.arange(max_position + 1, device=w.device)[None])
-            self.cos, self.sin = self.cos[0], self.sin[0]  # [positions, D]
+            cos, sin = self.rope(w.new_zeros(1, 1, w.shape[1]), torch.arange(max_position + 1, device=w.device)[None])
+            self.cos, self.sin = self._rope_tables(cos[0], sin[0])  # [positions, D]
 
     def select(self, sel: torch.Tensor) -> None:
         """Keep the rows ``sel`` (finished rows dropped)."""
@@ -217,23 +237,40 @@ class _LeanDecoder:
             cos, sin = self.cos[pos], self.sin[pos]  # [R, D]
         else:
             cos, sin = self.rope(x[:, None], pos[:, None])
-            cos, sin = cos[:, 0], sin[:, 0]
+            cos, sin = self._rope_tables(cos[:, 0], sin[:, 0])
+        cos, sin = cos[:, None], sin[:, None]  # [R, 1, D]: one row of every head
         R = x.shape[0]
         mask = self.mask[..., : col + 1]
-        for i, (n1, qp, kp, vp, op, n2, gp, up, dp, act, D, G, scale) in enumerate(self.layers):
+        for i, (n1, qkv, op, n2, gate_up, dp, act, H, Hkv, D, scale) in enumerate(self.layers):
             h = self._rms(x, n1)
-            q = F.linear(h, *qp).view(R, -1, D)
-            k = F.linear(h, *kp).view(R, -1, D)
-            q, k = self.rope_fn(q, k, cos, sin)
+            if len(qkv) == 1:
+                y = F.linear(h, *qkv[0])
+                qk, v = y[:, : (H + Hkv) * D].view(R, H + Hkv, D), y[:, (H + Hkv) * D :]
+            else:
+                qk = torch.cat([F.linear(h, *qkv[0]).view(R, H, D), F.linear(h, *qkv[1]).view(R, Hkv, D)], dim=1)
+                v = F.linear(h, *qkv[2])
+            qk = qk * cos + torch.roll(qk, D // 2, -1) * sin  # q*cos + rotate_half(q)*sin, and the same for k
             K, V = self.keys[i], self.values[i]
-            K[:, :, col] = k
-            V[:, :, col] = F.linear(h, *vp).view(R, -1, D)
-            o = F.scaled_dot_product_attention(q.view(R, K.shape[1], G, D), K[:, :, : col + 1], V[:, :, : col + 1],
-                                               attn_mask=mask, scale=scale)
+            K[:, :, col] = qk[:, H:]
+            V[:, :, col] = v.view(R, Hkv, D)
+            o = F.scaled_dot_product_attention(qk[:, :H].view(R, Hkv, H // Hkv, D), K[:, :, : col + 1],
+                                               V[:, :, : col + 1], attn_mask=mask, scale=scale)
             x = x + F.linear(o.reshape(R, -1), *op)
             h = self._rms(x, n2)
-            x = x + F.linear(act(F.linear(h, *gp)) * F.linear(h, *up), *dp)
+            if len(gate_up) == 1:
+                g, u = F.linear(h, *gate_up[0]).chunk(2, dim=-1)
+            else:
+                g, u = F.linear(h, *gate_up[0]), F.linear(h, *gate_up[1])
+            x = x + F.linear(act(g) * u, *dp)
         return F.linear(self._rms(x, self.norm), *self.lm_head)
+
+
+def _cat_linear(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of one linear computing ``mods`` side by side (a missing bias is zeros: ``+ 0`` is exact)."""
+    weight = torch.cat([m.weight for m in mods], dim=0)
+    if all(m.bias is None for m in mods):
+        return weight, None
+    return weight, torch.cat([m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in mods])
 
 
 @torch.no_grad()
