@@ -416,3 +416,20 @@ def test_noise_blocks_do_not_change_the_samples(demo, monkeypatch, elems):
         key = row_key(6, 4, out.prompt_index[r], out.sample_index[r])
         assert out.tokens[r] == _reference_row(student, prompts[out.prompt_index[r]], tok.eos_token_id, 1.0, 14, 0,
                                                key), r
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_gqa"])
+def test_lean_decode_bf16_equals_the_model_forward(demo, arch):
+    """bf16 weights: the lean decode step (its RMSNorm upcasts to fp32 and rounds back as the model's does) draws
+    the samples and log-probs of the model's own forward path."""
+    from opdistill.engines.sampler import _lean_decoder
+
+    tok, student, _, prompts = demo
+    model = copy.deepcopy(student if arch == "llama" else _tiny_qwen2(tok)).to(torch.bfloat16)
+    assert _lean_decoder(model) is not None
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
+              step=3, want_logprobs=True)
+    out, ref = sample(model, prompts, **kw), sample(model, prompts, lean_decode=False, **kw)
+    assert out.tokens == ref.tokens and len({len(t) for t in out.tokens}) > 1
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=1e-6)

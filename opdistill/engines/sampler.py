@@ -138,11 +138,12 @@ def _lean_decoder(model):
 
     if _m._global_forward_hooks or _m._global_forward_pre_hooks:
         return None
-    for mod in model.modules():  # a hook (FSDP, PEFT, a user's probe) means: run the real forward
-        if mod._forward_hooks or mod._forward_pre_hooks:
+    for mod in model.modules():  # a hook (FSDP, PEFT, a user's probe) or a sharded/subclassed parameter: the model's
+        if mod._forward_hooks or mod._forward_pre_hooks:  # own forward
             return None
-    if any(type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor for p in model.parameters()):
-        return None
+        for p in mod._parameters.values():
+            if p is not None and (type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor):
+                return None
     return _LeanDecoder(model)
 
 
@@ -195,6 +196,8 @@ class _LeanDecoder:
         """Qwen2RMSNorm / LlamaRMSNorm: ``weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)``, ``h = x`` in fp32, with
         torch's fused ``rms_norm`` for the normalisation (same formula; equal up to rounding)."""
         weight, eps = norm
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:  # weight applied last either way
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
         return weight * torch.nn.functional.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
     @staticmethod
