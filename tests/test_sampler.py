@@ -433,3 +433,23 @@ def test_lean_decode_bf16_equals_the_model_forward(demo, arch):
     assert out.tokens == ref.tokens and len({len(t) for t in out.tokens}) > 1
     for a, b in zip(out.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=1e-6)
+
+
+def test_lean_decode_dynamic_rope_equals_the_model_forward(demo):
+    """A rotary embedding that depends on the positions seen so far (dynamic NTK scaling, here active: prompts +
+    responses run past max_position_embeddings = 16) is computed per step, as the model's forward does: the same
+    samples and log-probs as the model's own forward path."""
+    from opdistill.engines.sampler import _lean_decoder
+
+    tok, _, _, prompts = demo
+    model = _tiny_qwen2(tok, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                        max_position_embeddings=16)
+    lean = _lean_decoder(model)
+    assert lean is not None and not lean.static_rope
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
+              step=3, want_logprobs=True)
+    out, ref = sample(model, prompts, **kw), sample(model, prompts, lean_decode=False, **kw)
+    assert max(len(p) for p in prompts) + max(len(t) for t in out.tokens) > 16
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-6, rtol=2e-6)
