@@ -143,11 +143,22 @@ def _install_common_hooks(clock: PhaseClock, torch) -> None:
     torch.Tensor.backward = clock.wrap("backward", torch.Tensor.backward)
 
 
-def _time_module_forward(clock: PhaseClock, module, phase: str, when=lambda: True) -> None:
-    """Time ``module``'s forward while ``when()``: its ``forward`` wrapped on the instance, not forward hooks. A hook
-    would change what is measured: opdistill's sampler runs its lean decode step only on hook-free models (any hook
-    sends every decode token through the model's own forward, so the hook sees it; engines/sampler.py)."""
-    module.forward = clock.wrap(phase, module.forward, when=lambda *a, **k: when())
+def _time_module_forward(clock: PhaseClock, module, phase: str):
+    """Forward hooks on ``module`` that add its forward time to ``phase``; returns a function removing them. opdistill's
+    child installs them for the update only: a hooked model samples through its own forward (its lean decode step
+    runs only on hook-free models, engines/sampler.py), so hooks left on during sampling would time another sampler
+    than the trainer runs."""
+    starts = []
+
+    def pre(mod, args):
+        starts.append(time.perf_counter())
+
+    def post(mod, args, out):
+        if starts:
+            clock.add(phase, time.perf_counter() - starts.pop())
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return lambda: [h.remove() for h in handles]
 
 
 def _summarize(clock: PhaseClock, warmup: int, t_warm_end: float) -> dict:
@@ -202,7 +213,6 @@ def child_opdistill(args) -> dict:
     clock = PhaseClock()
     _install_common_hooks(clock, torch)
     tok, student, teacher = loop.load_models(cfg)
-    _time_module_forward(clock, student, "student_fwd", when=lambda: clock.active)
 
     real_collect, real_step = loop._collect, loop.train_step
 
@@ -215,9 +225,11 @@ def child_opdistill(args) -> dict:
 
     def train_step(*a, **k):
         clock.active = True
+        remove = _time_module_forward(clock, student, "student_fwd")  # the update only, never during sampling
         try:
             return real_step(*a, **k)
         finally:
+            remove()
             clock.active = False
 
     loop._collect, loop.train_step = collect, train_step
@@ -229,8 +241,13 @@ def child_opdistill(args) -> dict:
         clock.end_step(time.perf_counter(), clock.current.pop("_tokens", 0.0))
 
     loop.RunLogger.advance = advance
+    import opdistill.engines.sampler as sampler_mod  # record whether every rollout took the lean decode step
+
+    real_lean, lean_used = sampler_mod._lean_decoder, []
+    sampler_mod._lean_decoder = lambda model: lean_used.append(real_lean(model)) or lean_used[-1]
     loop.run_training(cfg, overwrite=True, models=(tok, student, teacher), quiet=True)
-    return _summarize(clock, args.warmup, clock.steps[args.warmup - 1]["t_end"])
+    return {**_summarize(clock, args.warmup, clock.steps[args.warmup - 1]["t_end"]),
+            "sampler_lean_decode": bool(lean_used) and all(x is not None for x in lean_used)}
 
 
 def child_trl(args) -> dict:

@@ -372,8 +372,9 @@ def test_lean_decode_equals_the_model_forward(demo, monkeypatch, arch, fuse):
 
 
 def test_lean_decode_falls_back_to_the_model_forward(demo):
-    """Hooks, sliding-window layers and other architectures run the model's own forward (every decode step goes
-    through it: a hook on a layer sees every token)."""
+    """Hooks, a forward replaced on a module instance, accelerate's hooks, sliding-window layers and other
+    architectures run the model's own forward (every decode step goes through it: a hook on a layer sees every
+    token)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from opdistill.engines.sampler import _lean_decoder
@@ -389,6 +390,20 @@ def test_lean_decode_falls_back_to_the_model_forward(demo):
         h.remove()
     assert len(calls) == 5 and _lean_decoder(student) is not None  # prefill + 4 decode forwards
     assert hooked.tokens == sample(student, prompts[:2], **kw).tokens
+    # a forward replaced on the instance (a wrapper, accelerate's device hooks) or an accelerate hook attribute
+    layer = student.model.layers[0]
+    layer.forward = lambda *a, _f=layer.forward, **k: (calls.append(2), _f(*a, **k))[1]
+    try:
+        assert _lean_decoder(student) is None
+        assert sample(student, prompts[:2], **kw).tokens == hooked.tokens and calls.count(2) == 5
+    finally:
+        del layer.forward
+    student.model.norm._hf_hook = object()
+    try:
+        assert _lean_decoder(student) is None
+    finally:
+        del student.model.norm._hf_hook
+    assert _lean_decoder(student) is not None
     sliding = _tiny_qwen2(tok, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert "sliding_attention" in sliding.config.layer_types and _lean_decoder(sliding) is None
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64))

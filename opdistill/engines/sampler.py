@@ -138,8 +138,9 @@ def _lean_decoder(model):
 
     if _m._global_forward_hooks or _m._global_forward_pre_hooks:
         return None
-    for mod in model.modules():  # a hook (FSDP, PEFT, a user's probe) or a sharded/subclassed parameter: the model's
-        if mod._forward_hooks or mod._forward_pre_hooks:  # own forward
+    for mod in model.modules():  # a hook (FSDP, PEFT, a user's probe), a forward replaced on the instance (accelerate's
+        # device_map / offload hooks), or a sharded/subclassed parameter: the model's own forward
+        if mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__ or hasattr(mod, "_hf_hook"):
             return None
         for p in mod._parameters.values():
             if p is not None and (type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor):
