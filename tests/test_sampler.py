@@ -77,6 +77,9 @@ def test_first_two_tokens_follow_the_model_distribution(tiny, temperature):
             for b in range(V):
                 cells[(a, b)] = float(p1[a] * p2[b])
     assert abs(sum(cells.values()) - 1) < 1e-9 and max(cells.values()) < 0.5  # not a degenerate distribution
+    from opdistill.engines.sampler import _lean_decoder
+
+    assert _lean_decoder(model) is not None  # the second token comes from the lean decode step
     N = 12000
     out = sample(model, [prompt], eos_id=eos, pad_id=tok.pad_token_id, n=N, temperature=temperature,
                  max_new_tokens=2, seed=11, step=2)
