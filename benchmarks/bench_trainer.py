@@ -244,10 +244,16 @@ def child_opdistill(args) -> dict:
     import opdistill.engines.sampler as sampler_mod  # record whether every rollout took the lean decode step
 
     real_lean, lean_used = sampler_mod._lean_decoder, []
-    sampler_mod._lean_decoder = lambda model: lean_used.append(real_lean(model)) or lean_used[-1]
+
+    def lean_decoder(model):  # keeps a bool, not the decoder (it holds the KV cache)
+        decoder = real_lean(model)
+        lean_used.append(decoder is not None)
+        return decoder
+
+    sampler_mod._lean_decoder = lean_decoder
     loop.run_training(cfg, overwrite=True, models=(tok, student, teacher), quiet=True)
     return {**_summarize(clock, args.warmup, clock.steps[args.warmup - 1]["t_end"]),
-            "sampler_lean_decode": bool(lean_used) and all(x is not None for x in lean_used)}
+            "sampler_lean_decode": bool(lean_used) and all(lean_used)}
 
 
 def child_trl(args) -> dict:
