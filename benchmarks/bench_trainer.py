@@ -143,19 +143,22 @@ def _install_common_hooks(clock: PhaseClock, torch) -> None:
     torch.Tensor.backward = clock.wrap("backward", torch.Tensor.backward)
 
 
-def _time_module_forward(clock: PhaseClock, module, phase: str, when=lambda: True) -> None:
+def _time_module_forward(clock: PhaseClock, module, phase: str):
+    """Forward hooks on ``module`` that add its forward time to ``phase``; returns a function removing them. opdistill's
+    child installs them for the update only: a hooked model samples through its own forward (its lean decode step
+    runs only on hook-free models, engines/sampler.py), so hooks left on during sampling would time another sampler
+    than the trainer runs."""
     starts = []
 
     def pre(mod, args):
-        if when():
-            starts.append(time.perf_counter())
+        starts.append(time.perf_counter())
 
     def post(mod, args, out):
-        if when() and starts:
+        if starts:
             clock.add(phase, time.perf_counter() - starts.pop())
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return lambda: [h.remove() for h in handles]
 
 
 def _summarize(clock: PhaseClock, warmup: int, t_warm_end: float) -> dict:
@@ -210,7 +213,6 @@ def child_opdistill(args) -> dict:
     clock = PhaseClock()
     _install_common_hooks(clock, torch)
     tok, student, teacher = loop.load_models(cfg)
-    _time_module_forward(clock, student, "student_fwd", when=lambda: clock.active)
 
     real_collect, real_step = loop._collect, loop.train_step
 
@@ -223,9 +225,11 @@ def child_opdistill(args) -> dict:
 
     def train_step(*a, **k):
         clock.active = True
+        remove = _time_module_forward(clock, student, "student_fwd")  # the update only, never during sampling
         try:
             return real_step(*a, **k)
         finally:
+            remove()
             clock.active = False
 
     loop._collect, loop.train_step = collect, train_step
@@ -237,8 +241,19 @@ def child_opdistill(args) -> dict:
         clock.end_step(time.perf_counter(), clock.current.pop("_tokens", 0.0))
 
     loop.RunLogger.advance = advance
+    import opdistill.engines.sampler as sampler_mod  # record whether every rollout took the lean decode step
+
+    real_lean, lean_used = sampler_mod._lean_decoder, []
+
+    def lean_decoder(model):  # keeps a bool, not the decoder (it holds the KV cache)
+        decoder = real_lean(model)
+        lean_used.append(decoder is not None)
+        return decoder
+
+    sampler_mod._lean_decoder = lean_decoder
     loop.run_training(cfg, overwrite=True, models=(tok, student, teacher), quiet=True)
-    return _summarize(clock, args.warmup, clock.steps[args.warmup - 1]["t_end"])
+    return {**_summarize(clock, args.warmup, clock.steps[args.warmup - 1]["t_end"]),
+            "sampler_lean_decode": bool(lean_used) and all(lean_used)}
 
 
 def child_trl(args) -> dict:

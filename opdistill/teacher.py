@@ -80,7 +80,10 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     out_samp = torch.zeros(n, dtype=torch.float32) if sampled_ids is not None else None
     flat_targets = sampled_ids.reshape(-1) if sampled_ids is not None else None
     was_training = teacher.training
-    teacher.eval()
+    # eval() walks every module: skip it (and the restore) when nothing is in training mode (a frozen teacher)
+    switch = any(m.training for m in teacher.modules())
+    if switch:
+        teacher.eval()
     try:
         done = 0  # rows of out_* written so far
         for r0 in range(0, B, row_chunk):
@@ -112,7 +115,8 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     out_samp[at] = (z.gather(-1, tgt[:, None]) - lse).squeeze(-1).cpu()
             done += flat.shape[0]
     finally:
-        teacher.train(was_training)
+        if switch:
+            teacher.train(was_training)
     if sel is None:  # the flattened layout itself: views, no copy
         top_ids = out_ids.view(B, S, k) if k else None
         top_lp = out_lp.view(B, S, k) if k else None

@@ -64,5 +64,7 @@ def test_opdistill_child_runs_the_real_trainer(tmp_path):
     assert r["steps"] == 1 and r["tokens_per_step"] == 16 * 32  # 16 prompts x 32 forced completion tokens
     for phase in bench.PHASES[:-1]:
         assert r[f"ms/{phase}"] > 0, phase  # every hook saw its phase
+    # the timing hooks are off while sampling: the rollouts took the sampler's lean decode step, as in training
+    assert r["sampler_lean_decode"] is True
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2] and rows[-1]["train/generated_tokens"] == 512

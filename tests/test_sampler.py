@@ -77,6 +77,9 @@ def test_first_two_tokens_follow_the_model_distribution(tiny, temperature):
             for b in range(V):
                 cells[(a, b)] = float(p1[a] * p2[b])
     assert abs(sum(cells.values()) - 1) < 1e-9 and max(cells.values()) < 0.5  # not a degenerate distribution
+    from opdistill.engines.sampler import _lean_decoder
+
+    assert _lean_decoder(model) is not None  # the second token comes from the lean decode step
     N = 12000
     out = sample(model, [prompt], eos_id=eos, pad_id=tok.pad_token_id, n=N, temperature=temperature,
                  max_new_tokens=2, seed=11, step=2)
@@ -319,3 +322,152 @@ def test_trainer_passes_rollout_min_new_tokens(tmp_path):
         lens[name] = [r["train/response_len"] for r in read_metrics(tmp_path / name) if "train/response_len" in r]
     assert lens["forced"] == [12.0, 12.0]
     assert min(lens["free"]) < 12.0  # the test has power: without the key the responses are shorter
+
+
+def _tiny_qwen2(tok, **over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg.update(over)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+        with torch.no_grad():
+            for p in model.parameters():  # spread-out weights (biases included) so the check has something to see
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("arch,fuse", [("llama", True), ("qwen2_gqa", True), ("qwen2_gqa", False)])
+def test_lean_decode_equals_the_model_forward(demo, monkeypatch, arch, fuse):
+    """The lean decode step (Qwen2 / Llama family) is the model's own forward up to fp32 rounding: log-probs equal a
+    float64 full re-forward of prompt + response (ragged left padding, n > 1, rows finishing at different
+    lengths) and the samples and log-probs equal those of the model's forward path (lean_decode=False); with the
+    fused q/k/v and gate/up GEMMs and without."""
+    import opdistill.engines.sampler as sm
+    from opdistill.engines.sampler import _lean_decoder
+
+    if not fuse:  # separate q/k/v and gate/up GEMMs (models whose fused weights would exceed _FUSE_BYTES)
+        monkeypatch.setattr(sm, "_FUSE_BYTES", 0)
+    tok = demo[0]
+    prompts = demo[3][:6]
+    model = demo[1] if arch == "llama" else _tiny_qwen2(tok)
+    lean = _lean_decoder(model)
+    assert lean is not None and all((len(x[1]) == 1) == fuse for x in lean.layers)
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
+              step=3, want_logprobs=True)
+    out = sample(model, prompts, **kw)
+    ref = sample(model, prompts, lean_decode=False, **kw)
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-6, rtol=2e-6)
+    lens = [len(t) for t in out.tokens]
+    assert min(lens) < 12 and max(lens) == 12  # rows really finished at different lengths
+    model64 = copy.deepcopy(model).double()
+    for r, toks in enumerate(out.tokens):
+        p = prompts[out.prompt_index[r]]
+        lp = torch.log_softmax(_forward64(model64, p + toks)[len(p) - 1 : -1] / 0.9, -1)
+        want = lp.gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        # 3e-5: the model's own fp32 forward is 1.1e-5 from float64 on the demo student (its logits are large)
+        torch.testing.assert_close(torch.tensor(out.logprobs[r], dtype=torch.float64), want, atol=3e-5, rtol=0)
+
+
+def test_lean_decode_falls_back_to_the_model_forward(demo):
+    """Hooks, a forward replaced on a module instance, accelerate's hooks, sliding-window layers and other
+    architectures run the model's own forward (every decode step goes through it: a hook on a layer sees every
+    token)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from opdistill.engines.sampler import _lean_decoder
+
+    tok, student, _, prompts = demo
+    kw = dict(eos_id=None, pad_id=tok.pad_token_id, max_new_tokens=5, seed=0)
+    calls = []
+    h = student.model.layers[1].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert _lean_decoder(student) is None
+        hooked = sample(student, prompts[:2], **kw)
+    finally:
+        h.remove()
+    assert len(calls) == 5 and _lean_decoder(student) is not None  # prefill + 4 decode forwards
+    assert hooked.tokens == sample(student, prompts[:2], **kw).tokens
+    # a forward replaced on the instance (a wrapper, accelerate's device hooks) or an accelerate hook attribute
+    layer = student.model.layers[0]
+    layer.forward = lambda *a, _f=layer.forward, **k: (calls.append(2), _f(*a, **k))[1]
+    try:
+        assert _lean_decoder(student) is None
+        assert sample(student, prompts[:2], **kw).tokens == hooked.tokens and calls.count(2) == 5
+    finally:
+        del layer.forward
+    student.model.norm._hf_hook = object()
+    try:
+        assert _lean_decoder(student) is None
+    finally:
+        del student.model.norm._hf_hook
+    assert _lean_decoder(student) is not None
+    sliding = _tiny_qwen2(tok, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert "sliding_attention" in sliding.config.layer_types and _lean_decoder(sliding) is None
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64))
+    assert _lean_decoder(gpt2) is None
+    assert all(len(t) == 5 for t in sample(gpt2, prompts[:2], **kw).tokens)
+
+
+@pytest.mark.parametrize("elems", [1, 3])
+def test_noise_blocks_do_not_change_the_samples(demo, monkeypatch, elems):
+    """Each row draws its uniforms for several positions at once (a block of _NOISE_BLOCK_ELEMS // V positions): on
+    CPU the same stream as one position at a time, so any block length, refilled as rows finish, draws the same
+    samples (and the reference loop, one position at a time, agrees)."""
+    import opdistill.engines.sampler as sm
+
+    tok, student, _, prompts = demo
+    V = student.config.vocab_size
+    assert sm._NOISE_BLOCK_ELEMS // V >= 14  # the default: one block covers these 14 positions
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=2, max_new_tokens=14, seed=6, step=4)
+    ref = sample(student, prompts, **kw)
+    monkeypatch.setattr(sm, "_NOISE_BLOCK_ELEMS", elems * V)  # blocks of 1 and of 3 positions
+    out = sample(student, prompts, **kw)
+    assert out.tokens == ref.tokens
+    assert len({len(t) for t in out.tokens}) > 2  # rows finished inside blocks
+    for r in range(0, len(out.tokens), 5):
+        key = row_key(6, 4, out.prompt_index[r], out.sample_index[r])
+        assert out.tokens[r] == _reference_row(student, prompts[out.prompt_index[r]], tok.eos_token_id, 1.0, 14, 0,
+                                               key), r
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_gqa"])
+def test_lean_decode_bf16_equals_the_model_forward(demo, arch):
+    """bf16 weights: the lean decode step (its RMSNorm upcasts to fp32 and rounds back as the model's does) draws
+    the samples and log-probs of the model's own forward path."""
+    from opdistill.engines.sampler import _lean_decoder
+
+    tok, student, _, prompts = demo
+    model = copy.deepcopy(student if arch == "llama" else _tiny_qwen2(tok)).to(torch.bfloat16)
+    assert _lean_decoder(model) is not None
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
+              step=3, want_logprobs=True)
+    out, ref = sample(model, prompts, **kw), sample(model, prompts, lean_decode=False, **kw)
+    assert out.tokens == ref.tokens and len({len(t) for t in out.tokens}) > 1
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=1e-6)
+
+
+def test_lean_decode_dynamic_rope_equals_the_model_forward(demo):
+    """A rotary embedding that depends on the positions seen so far (dynamic NTK scaling, here active: prompts +
+    responses run past max_position_embeddings = 16) is computed per step, as the model's forward does: the same
+    samples and log-probs as the model's own forward path."""
+    from opdistill.engines.sampler import _lean_decoder
+
+    tok, _, _, prompts = demo
+    model = _tiny_qwen2(tok, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                        max_position_embeddings=16)
+    lean = _lean_decoder(model)
+    assert lean is not None and not lean.static_rope
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=3, temperature=0.9, max_new_tokens=12, seed=2,
+              step=3, want_logprobs=True)
+    out, ref = sample(model, prompts, **kw), sample(model, prompts, lean_decode=False, **kw)
+    assert max(len(p) for p in prompts) + max(len(t) for t in out.tokens) > 16
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-6, rtol=2e-6)

@@ -32,25 +32,48 @@ def brute_force_overlap(teacher_ids, student_top, t, s, clamp):
 def test_overlap_matches_all_pairs(n, k, r, vocab, empty, clamp, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     # a small vocabulary makes repeated ids (in T and in S) and ties of many slots the common case
-    teacher_ids = torch.randint(0, vocab, (n, k), generator=g)
+    teacher_ids = torch.randint(-1, vocab + 2, (n, k), generator=g)  # ids outside the vocabulary: members of nothing
     student_top = torch.randint(0, vocab, (n, r), generator=g)
     t = (-3 * torch.rand(n, k, generator=g, dtype=torch.float64)).to(dtype)
     t = t.masked_fill(torch.rand(n, k, generator=g) < empty, float("-inf"))
     s = (-3 * torch.rand(n, k, generator=g, dtype=torch.float64)).to(dtype)
     # membership, slot by slot, against Python sets
     want = [[int(i) in set(student_top[row].tolist()) for i in teacher_ids[row]] for row in range(n)]
-    assert is_member(teacher_ids, student_top).tolist() == want
-    res = finish_topk(torch.zeros(n, dtype=dtype), s, t, teacher_ids, student_top, clamp, (n,))
+    assert is_member(teacher_ids, student_top).tolist() == want  # sort + binary search
+    assert is_member(teacher_ids, student_top, vocab).tolist() == want  # vocabulary mask
     count, adv = brute_force_overlap(teacher_ids, student_top, t, s, clamp)
-    assert torch.equal(res.overlap_count, count)
-    assert torch.equal(res.overlap_token_advantage, adv)  # the same arithmetic: equal to the bit
+    for vocab_size in (None, vocab):
+        res = finish_topk(torch.zeros(n, dtype=dtype), s, t, teacher_ids, student_top, clamp, (n,), vocab_size)
+        assert torch.equal(res.overlap_count, count)
+        assert torch.equal(res.overlap_token_advantage, adv)  # the same arithmetic: equal to the bit
 
 
 def test_overlap_leading_dims_and_int32():
     teacher_ids = torch.tensor([[[3, 1, 4], [1, 5, 9]], [[2, 6, 5], [3, 5, 8]]], dtype=torch.int32)
     student_top = torch.tensor([[[4, 3, 0], [9, 9, 1]], [[7, 7, 7], [8, 5, 3]]])
-    assert is_member(teacher_ids, student_top).tolist() == [[[True, False, True], [True, False, True]],
-                                                           [[False, False, False], [True, True, True]]]
+    for vocab_size in (None, 10):
+        assert is_member(teacher_ids, student_top, vocab_size).tolist() == [
+            [[True, False, True], [True, False, True]], [[False, False, False], [True, True, True]]]
+
+
+@pytest.mark.parametrize("k", [5, 6])
+def test_topk_divergence_overlap_against_all_pairs(k):
+    """topk_divergence's overlap (K < V: the student's top-K; K = V: every id, no top-k computed) equals the
+    all-pairs reference against the student's own top-K ids, with empty slots and masked rows."""
+    from opdistill.ops.topk import topk_divergence
+
+    g = torch.Generator().manual_seed(k)
+    z = torch.randn(4, 7, 6, generator=g, dtype=torch.float64)
+    t_full = torch.log_softmax(torch.randn(4, 7, 6, generator=g, dtype=torch.float64), -1)
+    lp, ids = t_full.topk(k, -1)
+    lp[0, :3, -2:] = float("-inf")  # empty slots
+    lp[1, 4] = float("-inf")  # a masked row
+    res = topk_divergence(z, ids, lp, support="tail", divergence="reverse")
+    s = torch.log_softmax(z, -1).gather(-1, ids)
+    count, adv = brute_force_overlap(ids, torch.topk(z, k, -1).indices, lp, s, None)
+    assert torch.equal(res.overlap_count, count)
+    torch.testing.assert_close(res.overlap_token_advantage, adv, rtol=1e-12, atol=1e-12)
+    assert int(count.sum()) > 0 and (k < 6 or torch.equal(count, (lp > float("-inf")).sum(-1)))
 
 
 def _loss_and_teacher(validated: bool):

@@ -97,12 +97,193 @@ def _forward_names(model) -> tuple[str, bool]:
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
+_NOISE_BLOCK_ELEMS = 1 << 16  # per row: positions drawn ahead = this // V (at least 1); a function of V only
+
+
+def _lean_decoder(model):
+    """A ``_LeanDecoder`` for ``model`` when it is a plain Qwen2 / Llama causal LM this loop can step itself (exact
+    module types, full attention, no hooks, plain local parameters), else None (the model's own forward is used)."""
+    try:
+        from transformers.models.llama import modeling_llama as llama
+        from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    except ImportError:  # pragma: no cover - an older transformers
+        return None
+    families = {qwen2.Qwen2ForCausalLM: (qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+                                         qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
+                llama.LlamaForCausalLM: (llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+                                         llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding)}
+    fam = families.get(type(model))
+    if fam is None:
+        return None
+    Layer, Attn, Mlp, Norm, Rope = fam
+    cfg, base = model.config, getattr(model, "model", None)
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return None
+    if (type(base) not in (qwen2.Qwen2Model, llama.LlamaModel) or type(base.embed_tokens) is not torch.nn.Embedding
+            or type(base.norm) is not Norm or type(base.rotary_emb) is not Rope
+            or type(model.lm_head) is not torch.nn.Linear or len(base.layers) != cfg.num_hidden_layers):
+        return None
+    lin = torch.nn.Linear
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        if (type(layer) is not Layer or type(a) is not Attn or type(m) is not Mlp
+                or type(layer.input_layernorm) is not Norm or type(layer.post_attention_layernorm) is not Norm
+                or any(type(x) is not lin for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                                    m.down_proj))
+                or getattr(a, "sliding_window", None) is not None):
+            return None
+    from torch.nn.modules import module as _m
+
+    if _m._global_forward_hooks or _m._global_forward_pre_hooks:
+        return None
+    for mod in model.modules():  # a hook (FSDP, PEFT, a user's probe), a forward replaced on the instance (accelerate's
+        # device_map / offload hooks), or a sharded/subclassed parameter: the model's own forward
+        if mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__ or hasattr(mod, "_hf_hook"):
+            return None
+        for p in mod._parameters.values():
+            if p is not None and (type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor):
+                return None
+    return _LeanDecoder(model)
+
+
+_FUSE_BYTES = 256 << 20  # the lean decoder fuses q/k/v and gate/up weights while the copies stay under this size
+
+
+class _LeanDecoder:
+    """One decode token for a Qwen2 / Llama causal LM with the model's own weights, without the per-call work of the
+    HF forward (mask building, cache objects, output dataclasses, kwargs plumbing): the computation of the model's
+    forward at ``q_len = 1`` (RMSNorm, q/k/v projections, rotary embedding from the model's own rotary module, SDPA
+    over a preallocated KV cache with the padding mask, o_proj, MLP, final norm, lm_head), equal to it up to
+    floating-point rounding (tests/test_sampler.py). Built only by ``_lean_decoder``.
+
+    Fewer ops per token: the q/k/v and the gate/up projections run as one GEMM each on concatenated weights (copies
+    made per ``sample`` call, only while they total under ``_FUSE_BYTES``; separate GEMMs otherwise), and the rotary
+    embedding is applied to q and k together as ``x * cos + roll(x, D/2) * sin'`` with ``sin' = [-sin_1, sin_2]``,
+    which is ``rotate_half(x) * sin`` element for element (a sign moved between the factors of a product).
+    """
+
+    def __init__(self, model):
+        base = model.model
+        self.embed, self.rope = base.embed_tokens, base.rotary_emb
+        self.norm = (base.norm.weight, base.norm.variance_epsilon)
+        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
+        linears = [[x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj, x.mlp.gate_proj, x.mlp.up_proj]
+                   for x in base.layers]
+        fuse = sum(m.weight.numel() * m.weight.element_size() for ls in linears for m in ls) <= _FUSE_BYTES
+        self.layers = []
+        for layer, (qp, kp, vp, gp, up) in zip(base.layers, linears):
+            a, m, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            H, Hkv, D = qp.weight.shape[0] // a.head_dim, kp.weight.shape[0] // a.head_dim, a.head_dim
+            if fuse:
+                qkv = [_cat_linear((qp, kp, vp))]
+                gate_up = [_cat_linear((gp, up))]
+            else:
+                qkv = [(x.weight, x.bias) for x in (qp, kp, vp)]
+                gate_up = [(x.weight, x.bias) for x in (gp, up)]
+            self.layers.append(((n1.weight, n1.variance_epsilon), qkv, (a.o_proj.weight, a.o_proj.bias),
+                                (n2.weight, n2.variance_epsilon), gate_up, (m.down_proj.weight, m.down_proj.bias),
+                                m.act_fn, H, Hkv, D, a.scaling))
+        # cos/sin of every position at once when the rotary embedding does not depend on the sequence seen so far
+        self.static_rope = not any(w in str(getattr(self.rope, "rope_type", "")) for w in ("dynamic", "longrope"))
+        self.cos = self.sin = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.mask: torch.Tensor | None = None  # [rows, 1, 1, columns] bool: True = attend
+
+    @staticmethod
+    def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+        """Qwen2RMSNorm / LlamaRMSNorm: ``weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)``, ``h = x`` in fp32, with
+        torch's fused ``rms_norm`` for the normalisation (same formula; equal up to rounding)."""
+        weight, eps = norm
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:  # weight applied last either way
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * torch.nn.functional.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    @staticmethod
+    def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin') with sin' = [-sin[:D/2], sin[D/2:]] so that rotate_half(x) * sin = roll(x, D/2) * sin'."""
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    def start(self, cache, rows: torch.Tensor, attn: torch.Tensor, columns: int, max_position: int) -> None:
+        """Copy the prefill ``cache`` (one row per prompt) into preallocated buffers of ``columns`` positions, one row
+        per sample (``rows`` = the prompt row of each); ``attn`` [samples, prompt columns] = the prefill mask;
+        positions up to ``max_position`` will be fed."""
+        P = attn.shape[1]
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            for src, dst in ((layer.keys, self.keys), (layer.values, self.values)):
+                buf = src.new_zeros(len(rows), src.shape[1], columns, src.shape[3])
+                buf[:, :, :P] = src[rows]
+                dst.append(buf)
+        mask = torch.ones(len(rows), columns, dtype=torch.bool, device=attn.device)
+        mask[:, :P] = attn.bool()
+        self.mask = mask[:, None, None, :]
+        if self.static_rope:
+            w = self.embed.weight
+            cos, sin = self.rope(w.new_zeros(1, 1, w.shape[1]), torch.arange(max_position + 1, device=w.device)[None])
+            self.cos, self.sin = self._rope_tables(cos[0], sin[0])  # [positions, D]
+
+    def select(self, sel: torch.Tensor) -> None:
+        """Keep the rows ``sel`` (finished rows dropped)."""
+        self.keys = [k.index_select(0, sel) for k in self.keys]
+        self.values = [v.index_select(0, sel) for v in self.values]
+        self.mask = self.mask.index_select(0, sel)
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int) -> torch.Tensor:
+        """Logits [rows, V] of the next token after feeding ``tok`` [rows] at position ``pos`` [rows], cache column
+        ``col``."""
+        F = torch.nn.functional
+        x = self.embed(tok)  # [R, hidden]
+        if self.static_rope:
+            cos, sin = self.cos[pos], self.sin[pos]  # [R, D]
+        else:
+            cos, sin = self.rope(x[:, None], pos[:, None])
+            cos, sin = self._rope_tables(cos[:, 0], sin[:, 0])
+        cos, sin = cos[:, None], sin[:, None]  # [R, 1, D]: one row of every head
+        R = x.shape[0]
+        mask = self.mask[..., : col + 1]
+        for i, (n1, qkv, op, n2, gate_up, dp, act, H, Hkv, D, scale) in enumerate(self.layers):
+            h = self._rms(x, n1)
+            if len(qkv) == 1:
+                y = F.linear(h, *qkv[0])
+                qk, v = y[:, : (H + Hkv) * D].view(R, H + Hkv, D), y[:, (H + Hkv) * D :]
+            else:
+                qk = torch.cat([F.linear(h, *qkv[0]).view(R, H, D), F.linear(h, *qkv[1]).view(R, Hkv, D)], dim=1)
+                v = F.linear(h, *qkv[2])
+            qk = qk * cos + torch.roll(qk, D // 2, -1) * sin  # q*cos + rotate_half(q)*sin, and the same for k
+            K, V = self.keys[i], self.values[i]
+            K[:, :, col] = qk[:, H:]
+            V[:, :, col] = v.view(R, Hkv, D)
+            o = F.scaled_dot_product_attention(qk[:, :H].view(R, Hkv, H // Hkv, D), K[:, :, : col + 1],
+                                               V[:, :, : col + 1], attn_mask=mask, scale=scale)
+            x = x + F.linear(o.reshape(R, -1), *op)
+            h = self._rms(x, n2)
+            if len(gate_up) == 1:
+                g, u = F.linear(h, *gate_up[0]).chunk(2, dim=-1)
+            else:
+                g, u = F.linear(h, *gate_up[0]), F.linear(h, *gate_up[1])
+            x = x + F.linear(act(g) * u, *dp)
+        return F.linear(self._rms(x, self.norm), *self.lm_head)
+
+
+def _cat_linear(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of one linear computing ``mods`` side by side (a missing bias is zeros: ``+ 0`` is exact)."""
+    weight = torch.cat([m.weight for m in mods], dim=0)
+    if all(m.bias is None for m in mods):
+        return weight, None
+    return weight, torch.cat([m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in mods])
+
+
 @torch.no_grad()
 def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_id: int, n: int = 1,
            temperature: float = 1.0, greedy: bool = False, top_k: int = 0, top_p: float = 1.0,
            max_new_tokens: int = 64, min_new_tokens: int = 0, seed: int = 0, step: int = 0,
            prompt_keys: Sequence[int] | None = None, batch_size: int | None = None, want_logprobs: bool = False,
-           tokenizer=None, forward_hook=None) -> Samples:
+           tokenizer=None, forward_hook=None,
+           lean_decode: bool = True) -> Samples:
     """Draw ``n`` responses per prompt (``greedy``: one argmax response each) with the keyed decode loop.
 
     ``prompt_keys[i]`` is the key of ``prompts[i]`` (default: ``i``); with ``seed`` and ``step`` it fixes every
@@ -123,6 +304,7 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     batch_size = batch_size or max(len(prompts), 1)
     tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]
     logprobs: list[list[float]] | None = [[] for _ in tokens] if want_logprobs else None
+    lean = _lean_decoder(model) if lean_decode else None
     was_training = model.training
     model.eval()
     try:
@@ -144,14 +326,20 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
             # the n samples of a prompt share its prefill: repeat the cache rows (prompt-major order)
             rows = torch.arange(B, device=device).repeat_interleave(n)
             if n > 1:
-                cache.batch_select_indices(rows)
                 logits, attn = logits[rows], attn[rows]
             last_pos = pos[rows, -1]
+            if lean is not None:
+                lean.start(cache, rows, attn, P + max_new_tokens, int(last_pos.max()) + max_new_tokens)
+                del cache
+            elif n > 1:
+                cache.batch_select_indices(rows)
             out_rows = [(start + i) * n + j for i in range(B) for j in range(n)]  # row in `tokens` of each live row
             gens = None
             if not greedy:
                 gens = [torch.Generator(device=device).manual_seed(row_key(seed, step, keys[start + i], j))
                         for i in range(B) for j in range(n)]
+            block = max(1, _NOISE_BLOCK_ELEMS // logits.shape[-1])  # positions of noise drawn at once
+            noise = None  # [rows, block, V]: log(-log u) of the next `block` positions of every live row
             for t in range(max_new_tokens):
                 scaled = logits.float()
                 if temperature != 1.0:
@@ -166,10 +354,12 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                     tok = choose.argmax(dim=-1)
                 else:
                     choose = truncate_logits(choose, top_k, top_p)
-                    u = torch.empty_like(choose)
-                    for r, g in enumerate(gens):
-                        u[r].uniform_(generator=g)
-                    tok = (choose - torch.log(-torch.log(u))).argmax(dim=-1)
+                    if t % block == 0:  # each row's next `block` x V uniforms, in its generator's order
+                        u = choose.new_empty(len(gens), min(block, max_new_tokens - t), choose.shape[-1])
+                        for r, g in enumerate(gens):
+                            u[r].uniform_(generator=g)
+                        noise = torch.log(-torch.log(u))
+                    tok = (choose - noise[:, t % block]).argmax(dim=-1)
                 tok_list = tok.tolist()
                 lp_list = (scaled.gather(-1, tok[:, None])[:, 0] - lse).tolist() if want_logprobs else None
                 for r, o in enumerate(out_rows):
@@ -183,17 +373,25 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                     break
                 if len(keep) < len(tok_list):  # drop finished rows from the batch and the cache
                     sel = torch.tensor(keep, device=device)
-                    cache.batch_select_indices(sel)
-                    attn, last_pos, tok = attn[sel], last_pos[sel], tok[sel]
+                    if lean is not None:
+                        lean.select(sel)
+                    else:
+                        cache.batch_select_indices(sel)
+                        attn = attn[sel]
+                    last_pos, tok = last_pos[sel], tok[sel]
                     out_rows = [out_rows[r] for r in keep]
                     if gens is not None:
                         gens = [gens[r] for r in keep]
-                attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+                        noise = noise[sel]
                 last_pos = last_pos + 1
                 if forward_hook is not None:
                     forward_hook(len(keep))
-                logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                               use_cache=True, **{cache_arg: cache}, **extra).logits[:, -1, :]
+                if lean is not None:
+                    logits = lean.step(tok, last_pos, P + t)
+                else:
+                    attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+                    logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last_pos[:, None],
+                                   use_cache=True, **{cache_arg: cache}, **extra).logits[:, -1, :]
     finally:
         model.train(was_training)
     texts = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

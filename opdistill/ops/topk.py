@@ -139,23 +139,40 @@ def _nonnegative(loss: torch.Tensor) -> torch.Tensor:
     return loss.clamp_min(0.0)
 
 
-def is_member(ids: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[..., K] bool: ``ids[..., k]`` is one of the ids of its row of ``ref`` [..., R] (R >= 1), in O((K + R) log R):
-    sort ``ref`` by id, binary-search each id, compare the id found (not the [..., K, R] all-pairs comparison)."""
+_MEMBER_MASK_ELEMS = 1 << 24  # is_member: a [rows, V] bool mask up to this many elements, else sort + search
+
+
+def is_member(ids: torch.Tensor, ref: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """[..., K] bool: ``ids[..., k]`` is one of the ids of its row of ``ref`` [..., R] (R >= 1).
+
+    With ``vocab_size`` (every id of ``ref`` in [0, vocab_size)) and a ``[rows, vocab_size]`` mask of at most
+    ``_MEMBER_MASK_ELEMS`` elements: scatter ``ref`` into that mask and read it at ``ids`` (ids outside the
+    vocabulary are members of nothing), O(K + R + V) per row. Otherwise O((K + R) log R): sort ``ref`` by id,
+    binary-search each id, compare the id found. Both give the same answer (never the [..., K, R] all-pairs test)."""
+    rows = ref.numel() // max(ref.shape[-1], 1)
+    if vocab_size is not None and rows * vocab_size <= _MEMBER_MASK_ELEMS:
+        lead = ids.shape[:-1]
+        ids2 = ids.reshape(rows, ids.shape[-1]).long()
+        table = torch.zeros(rows, vocab_size, dtype=torch.bool, device=ids.device)
+        table.scatter_(1, ref.reshape(rows, ref.shape[-1]).long(), True)
+        inside = (ids2 >= 0) & (ids2 < vocab_size)
+        return (table.gather(1, ids2.clamp(0, vocab_size - 1)) & inside).reshape(*lead, ids.shape[-1])
     ref, ids = ref.to(ids.dtype).sort(dim=-1).values, ids.contiguous()
     at = torch.searchsorted(ref, ids).clamp_max(ref.shape[-1] - 1)
     return ref.gather(-1, at) == ids
 
 
 def finish_topk(loss: torch.Tensor, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                teacher_ids: torch.Tensor, student_topk_ids: torch.Tensor, log_prob_min_clamp: float | None,
-                lead: tuple) -> TopKResult:
+                teacher_ids: torch.Tensor, student_topk_ids: torch.Tensor | None, log_prob_min_clamp: float | None,
+                lead: tuple, vocab_size: int | None = None) -> TopKResult:
     """The ``TopKResult`` of every back-end from the per-token loss and the ``[N, K]`` stages' outputs (detached).
 
     Q = sum_k pi(i_k), P = sum_k nu(i_k) over the non-empty slots, unclamped.  The overlap is T cap S with S the
     student's own top-K ids; its advantage is -sum_{i in T cap S} nu_i (l_i - log pi_i) / |T cap S|, with nu, l,
     log pi clamped at ``log_prob_min_clamp`` when it is set (as verl does), and 0 where T cap S is empty.
     Everything is reshaped to ``lead`` (the leading shape of the logits / hidden states); ``loss`` keeps its graph.
+    ``student_topk_ids`` None: S is the whole vocabulary (K = V), every non-empty slot overlaps. ``vocab_size``: the
+    student's vocabulary, when the ids of S are in [0, vocab_size) (``is_member`` may then use a vocabulary mask).
     """
     with torch.no_grad():
         s = student_logprobs.detach()
@@ -166,7 +183,8 @@ def finish_topk(loss: torch.Tensor, student_logprobs: torch.Tensor, teacher_logp
         if log_prob_min_clamp is not None:
             s = s.clamp_min(log_prob_min_clamp)
             t = torch.where(valid, t.clamp_min(log_prob_min_clamp), t)
-        overlap = valid & is_member(teacher_ids, student_topk_ids)
+        overlap = valid if student_topk_ids is None else valid & is_member(teacher_ids, student_topk_ids,
+                                                                            vocab_size)
         count = overlap.sum(-1)
         t_safe = torch.where(overlap, t, 0.0)
         s_safe = torch.where(overlap, s, 0.0)
@@ -218,6 +236,7 @@ def topk_divergence(
         check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
     loss = topk_loss_from_logprobs(s, t, **kw)
-    # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z.
-    student_topk = torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
-    return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape))
+    # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z. K = V: S is every id (no top-k).
+    V = student_logits.shape[-1]
+    student_topk = None if ids.shape[-1] >= V else torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
+    return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape), V)
