@@ -383,6 +383,31 @@ def test_routed_micro_batches_and_reassembly():
     assert torch.equal(got.sampled_logprobs, lp[:, :, 0])
 
 
+def test_overlapped_scores_follow_the_rows_to_their_device():
+    """train.device cuda: train_step moves the rows (data_to) while a request is still on its way (data.pending);
+    the scores that arrive later land on the rows' device. The meta device stands in for CUDA here."""
+    from concurrent.futures import Future
+
+    from opdistill.train.placement import data_to
+    from opdistill.train.step import StepData
+
+    ids = torch.tensor([[1, 2, 3]])
+    scores = TeacherScores(TeacherTopK(torch.zeros(1, 3, 2, dtype=torch.long), torch.full((1, 3, 2), -1.0),
+                                       validated=True), torch.full((1, 3), -0.5))
+    for sampled in (False, True):
+        fut: Future = Future()
+        data = StepData(ids, torch.ones_like(ids), torch.tensor([[0, 1, 1]]), row_teacher=torch.tensor([0]),
+                        teacher_names=("a",), pending=PendingScores([(None, fut)]))
+        moved = data_to(data, torch.device("meta"))
+        assert moved.pending is data.pending and moved.row_teacher.device.type == "meta"
+        fut.set_result(scores if not sampled else TeacherScores(None, scores.sampled_logprobs))
+        moved.pending.fill(moved)
+        assert moved.pending is None
+        got = [moved.teacher_sampled] if sampled else [moved.teacher_topk.ids, moved.teacher_topk.logprobs]
+        assert [t.device.type for t in got] == ["meta"] * len(got)
+        assert sampled or moved.teacher_topk.validated
+
+
 def test_metric_sums_renamed_copies_exactly():
     s = MetricSums()
     s.add_mean("distillation/x", torch.tensor([1.0, 2.0, 4.0]))

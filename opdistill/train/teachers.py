@@ -41,6 +41,7 @@ from opdistill.engines.remote import RemoteTeacher
 from opdistill.errors import ConfigError, DataError, IncompatibleModelsError, ModelError
 from opdistill.metrics import MetricSums
 from opdistill.teacher import TeacherScores
+from opdistill.train.placement import scores_to
 from opdistill.train.remote_teacher import connect_teacher, score_rollouts, score_rows
 
 __all__ = ["TeacherSet", "PendingScores", "TeacherMetrics", "open_teachers", "attach_scores", "routed_split"]
@@ -193,9 +194,12 @@ class PendingScores:
         return TeacherScores(topk=topk, sampled_logprobs=join(lambda s: s.sampled_logprobs))
 
     def fill(self, data) -> None:
-        """Wait for every part and set ``data.teacher_topk`` / ``data.teacher_sampled``; ``data.pending`` cleared."""
+        """Wait for every part and set ``data.teacher_topk`` / ``data.teacher_sampled`` on the device of ``data``'s
+        rows (``train.device: cuda`` moved them there before the scores arrived); ``data.pending`` cleared."""
         scores = self.result()
-        data.teacher_topk, data.teacher_sampled, data.pending = scores.topk, scores.sampled_logprobs, None
+        data.teacher_topk, data.teacher_sampled = scores_to(scores.topk, scores.sampled_logprobs,
+                                                            data.input_ids.device)
+        data.pending = None
 
 
 def attach_scores(data, scorer, ro, problems, cfg, step: int) -> None:
