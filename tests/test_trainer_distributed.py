@@ -245,12 +245,14 @@ def test_sharded_teacher_trains_as_the_replicated_one(runs):
      "with data.teacher_cache (the cache replaces the teacher)"),
     ({"train": {"method": "rl"}, "model": {"teacher": None}, "rollout": {"n": 2}},
      "without a teacher model folder (model.teacher is None)"),
+    ({"model": {"teacher": None}, "teachers": [{"name": "a", "path": "ta"}], "routing": {"default": "a"}},
+     "with teachers (named teachers are replicated on every rank; only model.teacher can be sharded)"),
 ])
 def test_teacher_sharded_refuses_what_has_no_in_process_teacher_to_shard(extra, why):
     base = {"model": {"student": "s", "teacher": "t", "teacher_sharded": True},
             "loss": {"loss_mode": "topk", "topk": 4}}
     for section, values in extra.items():
-        base[section] = {**base.get(section, {}), **values}
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
     with pytest.raises(ConfigError) as e:
         load_config(base=base)
     assert str(e.value) == f"model.teacher_sharded: expected false {why}, got True"
