@@ -178,7 +178,8 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
     """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run.
     With overlap on, the request is still on its way when the step starts (``StepData.pending``); off, it is not."""
     from opdistill.engines.remote import TeacherServiceError
-    from tests.test_teacher_service import free_port, start_server, stop
+    from tests.server_helpers import free_port
+    from tests.test_teacher_service import start_server, stop
 
     local_rows, _ = in_process
     pending = []
@@ -243,6 +244,29 @@ def test_a_routed_run_resumes_with_the_uninterrupted_numbers(tmp, in_process):
     keys = [k for k in local_rows[1] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
     assert [r["step"] for r in got] == [1, 2]
     assert {k: got[1][k] for k in keys} == {k: local_rows[1][k] for k in keys}
+
+
+def test_a_named_teachers_client_keys_may_change_on_resume(tmp_path):
+    """teachers.N.url (a moved server) and the other client keys may change on --resume, as teacher.url's may; the
+    teachers themselves (name, path, how many) may not."""
+    from opdistill.train.rundir import RunError, check_checkpoint_config
+
+    old = {"train": {"steps": 2}, "teachers": [{"name": "a", "path": "ta", "url": None},
+                                               {"name": "b", "path": None, "url": "http://h:1", "overlap": True}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": old}))
+    new = copy.deepcopy(old)
+    new["teachers"][1].update(url="http://h2:2", overlap=False, timeout_s=9.0)
+    check_checkpoint_config(tmp_path, new)  # allowed: nothing raised
+    for change in (lambda c: c["teachers"][0].update(path="tb"), lambda c: c["teachers"].pop(),
+                   lambda c: c["teachers"][1].update(name="c", url="http://h2:2")):
+        bad = copy.deepcopy(old)
+        change(bad)
+        with pytest.raises(RunError) as e:
+            check_checkpoint_config(tmp_path, bad)
+        assert str(e.value) == (
+            f"--resume: checkpoint {tmp_path} was written with another config than this run's: teachers "
+            f"{old['teachers']!r} -> {bad['teachers']!r} (the checkpoint was copied from another run, or "
+            f"config.yaml was edited by hand); resume with the config it was written with, or start another run_dir")
 
 
 def test_a_dataset_column_routes_rows(tmp):
