@@ -371,6 +371,23 @@ def test_an_incompatible_named_teacher_is_refused_naming_it(tmp):
     assert str(e.value).startswith("teachers.1.path: student and teacher are not compatible for distillation: ")
 
 
+def test_a_named_teacher_with_nan_weights_is_refused_naming_it(tmp):
+    from safetensors.torch import load_file, save_file
+
+    from opdistill.errors import ModelError
+
+    bad = Path(make_model_dir(tmp / "nan_teacher", hidden=32, layers=1, seed=4))
+    w = load_file(str(bad / "model.safetensors"))
+    w["model.norm.weight"][0] = float("nan")
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    c = _config(tmp, "nan_teacher")
+    c["teachers"][1]["path"] = str(bad)
+    with pytest.raises(ModelError) as e:
+        run_training(load_config(base=c), quiet=True)
+    assert str(e.value) == (f"teachers.1.path: weight model.norm.weight of '{bad}' holds NaN/inf (a corrupt or "
+                            f"diverged model folder); use an intact model folder")
+
+
 def test_mixed_task_draws_tags_and_scores_by_its_own_task():
     task = MixedTask(TASKS, {"short": 1, "long": 3})
     a = PromptSource(task, 5).batch(2, 200)

@@ -38,7 +38,7 @@ import torch
 
 from opdistill import TeacherTopK
 from opdistill.engines.remote import RemoteTeacher
-from opdistill.errors import ConfigError, DataError, IncompatibleModelsError, ModelError
+from opdistill.errors import ConfigError, DataError, IncompatibleModelsError
 from opdistill.metrics import MetricSums
 from opdistill.teacher import TeacherScores
 from opdistill.train.placement import scores_to
@@ -82,6 +82,7 @@ def _load_named(cfg, spec, key: str, tok, student):
     """An in-process named teacher, loaded and checked like model.teacher (folder, tokenizer and head compatibility
     with the student, finite weights), errors naming ``key``."""
     from opdistill.models import check_compatible, load_model, load_tokenizer, model_folder
+    from opdistill.train.preflight import check_finite_model
     from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     mc = cfg.model
@@ -97,10 +98,7 @@ def _load_named(cfg, spec, key: str, tok, student):
         check_compatible(tok, load_tokenizer(path, trust_remote_code=mc.trust_remote_code), student, teacher)
     except IncompatibleModelsError as e:
         raise IncompatibleModelsError(f"{key}: " + str(e).removeprefix("model.teacher: ")) from None
-    for name, t in list(teacher.named_parameters()) + list(teacher.named_buffers()):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ModelError(f"{key}: weight {name} of {spec.path!r} holds NaN/inf (a corrupt or diverged model "
-                             f"folder); use an intact model folder")
+    check_finite_model(key, teacher, spec.path)
     return teacher
 
 
