@@ -10,10 +10,8 @@ Bounds: measured on CPU float32 (docs/teacher_service.md, "The vllm engine") and
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from opdistill.engines.remote import RemoteTeacher, TeacherServiceError, engine_
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import BadRequest, TeacherService, parse_request  # noqa: E402
 from opdistill.teacher import teacher_fingerprint, teacher_fingerprint_from_folder  # noqa: E402
-from tests.test_teacher_service import free_port  # noqa: E402
+from tests.server_helpers import free_port, start_server_process, stop_server_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "opdistill" / "assets" / "demo"
@@ -195,33 +193,11 @@ def test_streaming_fingerprint_gives_up_where_the_files_do_not_hold_the_model(tm
 # -- vllm: one real vllm server and one hf server, shared by the module ----------------------------------------------
 def _start(engine: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    out = open(log, "wb")  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill", "serve-teacher", "--model", "builtin:demo-teacher",
-                             "--engine", engine, "--port", str(port), "--threads", "1"], env=ENV, stdout=out,
-                            stderr=subprocess.STDOUT)
-    out.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{engine} server did not come up in 300 s: {log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # uvicorn shuts down, then serve() closes the engine
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc = start_server_process([sys.executable, "-m", "opdistill", "serve-teacher", "--model",
+                                 "builtin:demo-teacher", "--engine", engine, "--port", str(port), "--threads", "1"],
+                                url, log, what=f"{engine} server", timeout_s=300, env=ENV)
+    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +210,7 @@ def servers(tmp_path_factory):
         yield {"vllm": procs[0][1], "hf": procs[1][1]}
     finally:
         for proc, _ in procs:
-            _stop(proc)
+            stop_server_process(proc)  # SIGTERM: uvicorn shuts down, then serve() closes the engine
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ room.
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[
 from opdistill.engines.remote import TeacherServiceError, VLLMPromptLogprobsTeacher, scored_positions  # noqa: E402
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.teacher import score_teacher  # noqa: E402
-from tests.test_teacher_service import free_port  # noqa: E402
+from tests.server_helpers import free_port, start_server_process, stop_server_process  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -45,10 +43,6 @@ LP_BOUND = 1e-4
 LOSS_REL_BOUND = 2e-5
 
 
-def _log_tail(log: Path, n: int = 3000) -> str:
-    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
-
-
 @pytest.fixture(scope="module")
 def stock_vllm(tmp_path_factory):
     """A stock vLLM OpenAI server on the demo teacher; its URL. Killed (its process group: the API server and its
@@ -60,38 +54,15 @@ def stock_vllm(tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEMO / "teacher"),
            "--served-model-name", SERVED, "--dtype", "float32", "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "wb") as out:  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
+    proc = start_server_process(cmd, url, log, what="vllm server", timeout_s=START_TIMEOUT_S, env=env,
+                                new_session=True)
+    print(f"\nstock vllm server up in {time.time() - t0:.1f} s")
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm server exited {proc.returncode} before /health answered; its log ends:\n"
-                            f"{_log_tail(log)}", pytrace=False)
-            if time.time() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vllm server: /health did not answer 200 in {START_TIMEOUT_S} s; its log ends:\n"
-                            f"{_log_tail(log)}", pytrace=False)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        print(f"\nstock vllm server up in {time.time() - t0:.1f} s")
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # the API server shuts its engine core down
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    finally:  # SIGTERM: the API server shuts its engine core down; then whatever of its group is left
+        stop_server_process(proc, group=True)
 
 
 def _rows(V=18, B=4, S=30, seed=1):
