@@ -5,7 +5,8 @@ One ``mp.spawn`` launch (tests/distributed_trainer.py) runs every world-2 traine
 against the replicated teacher's, on_policy with ``model.teacher_sharded`` (2 steps), off_policy (DDP) and rl
 (FSDP2), two routed teachers, then the same 2 processes as a 1 x 2 (dp x tp) mesh with ``distributed.tp_size=2``
 (vocab-parallel lm_head: on_policy, rl, the sampled-token loss on an odd vocabulary, and on_policy in fp64 with
-its checkpoints). One more launch runs a 2 x 2 mesh on 4 processes. The world-1 runs happen in this process.
+its checkpoints, and the two routed teachers). One more launch runs a 2 x 2 mesh on 4 processes (also with the
+teacher sharded over the dp groups). The world-1 runs happen in this process.
 Then one ``torchrun -m opdistill train`` launch covers the real entry point
 on the demo config, and one more a rank that raises (the job must stop promptly with that rank's error).
 
@@ -154,6 +155,8 @@ def runs(tmp_path_factory):
         {"name": "tp_from_1", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_from_1"), "resume": True,
          "prepare_resume_from": str(tmp / "w1_on64"), "resume_step": 2},
         {"name": "mt", "config": _with_run_dir(cfgs["mt"], tmp / "w2_mt")},
+        # two routed teachers with the vocab-parallel lm_head (1 x 2): routed micro-batches, per-teacher metrics
+        {"name": "tp_mt", "config": _with_run_dir(_tp(cfgs["mt"]), tmp / "tp_mt")},
     ]
     out = tmp / "out"
     out.mkdir()
@@ -192,6 +195,26 @@ def test_world2_per_teacher_metrics_equal_world1(runs):
         assert 0 < b["teacher/a/token_frac"] < 1  # both teachers scored rows in the step
         for k in names:  # a per-token extremum of a near-zero loss: fp32 rounding of the token's terms (abs)
             assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-8 if k.endswith(("_min", "_max")) else 1e-12), k
+
+
+def test_tp2_with_two_routed_teachers_equals_world1(runs):
+    """teachers + routing with distributed.tp_size=2 (1 x 2): the per-step losses, gradient norms and every
+    teacher/<name>/* metric equal the one-process routed run's (fp32, 2 steps). Teacher "a" is the student's own
+    folder: its per-token losses at step 1 are 0 in one process and fp32 rounding of the vocab-parallel logsumexp at
+    tp 2 (loss_max 2.8e-8 seen; the largest difference of any metric 6e-8, 2 ulp of a 0.27 mass), hence an absolute
+    tolerance of 2e-7 besides the relative 1e-5."""
+    tmp, _, tokens1 = runs
+    assert _tp_tokens(tmp / "out", "tp_mt") == tokens1["mt"]
+    _assert_close_rows(_losses(tmp / "tp_mt"), _losses(tmp / "w1_mt"))
+    w1 = [r for r in read_metrics(tmp / "w1_mt") if "train/grad_norm" in r]
+    tp = [r for r in read_metrics(tmp / "tp_mt") if "train/grad_norm" in r]
+    assert len(w1) == len(tp) == 2
+    for a, b in zip(tp, w1):
+        names = sorted(k for k in b if k.startswith("teacher/"))
+        assert names == sorted(k for k in a if k.startswith("teacher/")) and len(names) >= 20
+        assert 0 < b["teacher/a/token_frac"] < 1
+        for k in names:
+            assert a[k] == pytest.approx(b[k], rel=REL, abs=2e-7), k
 
 
 def test_world2_evaluation_equals_world1(runs):
@@ -356,12 +379,17 @@ def test_tp2_checkpoints_resume_and_export_the_full_lm_head(runs):
 
 def test_2x2_mesh_on_4_processes_equals_world1(runs):
     """2 x 2 (dp x tp) on 4 gloo processes (fp64, 3 steps): each dp rank's two tp ranks sample its 2 prompts
-    alike, and the per-step losses and gradient norms are world 1's to 1e-9."""
+    alike, and the per-step losses and gradient norms are world 1's to 1e-9; also with the teacher sharded over
+    the dp groups (``model.teacher_sharded``, 2 steps)."""
     tmp, cfgs, tokens1 = runs
     out = tmp / "out4"
     out.mkdir()
-    (out / "plan.json").write_text(json.dumps([{"name": "tp4", "config": _with_run_dir(_tp(cfgs["on64"], steps=3),
-                                                                                     tmp / "tp4")}]))
+    # the teacher FSDP2-sharded over the 2 dp ranks next to the (dp, tp) student (fp64, 2 steps, no checkpoint)
+    tshard = {**_tp(cfgs["on64"], steps=2), "model": {**cfgs["on64"]["model"], "teacher_sharded": True},
+              "checkpoint": {"every": 0, "save_final": False}}
+    (out / "plan.json").write_text(json.dumps([
+        {"name": "tp4", "config": _with_run_dir(_tp(cfgs["on64"], steps=3), tmp / "tp4")},
+        {"name": "tp4_tshard", "config": _with_run_dir(tshard, tmp / "tp4_tshard")}]))
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 4, str(out))
     print(f"2x2 launch: {time.monotonic() - t0:.1f} s")
@@ -373,11 +401,30 @@ def test_2x2_mesh_on_4_processes_equals_world1(runs):
                 merged[step][p] = rows
     assert merged == {s: p for s, p in tokens1["on64"].items() if int(s) <= 3}
     _assert_close_rows(_losses(tmp / "tp4"), _losses(tmp / "w1_on64")[:3], rel=1e-9)
+    # model.teacher_sharded with tp: the teacher sharded over each tp rank's dp group, the same losses
+    _assert_close_rows(_losses(tmp / "tp4_tshard"), _losses(tmp / "w1_on64")[:2], rel=1e-9)
 
 
 def _tp_config(**over):
     return load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
                              "eval": {"num_prompts": 0}, "loss": {"loss_mode": "topk", "topk": 4}, **over})
+
+
+def test_tp_refuses_a_student_it_cannot_shard():
+    """Checked before any collective: a vocabulary smaller than tp_size, an output embedding that is not a Linear."""
+    from opdistill.models import build_tiny_llama, char_tokenizer
+    from opdistill.train.tensor_parallel import TensorParallel, shard_student
+
+    student = build_tiny_llama(char_tokenizer(CARRY_ADD_CHARS), hidden_size=16, num_layers=1, num_heads=2)
+    with pytest.raises(ConfigError) as e:
+        shard_student(student, TensorParallel(size=32, mesh=None, group=None))
+    assert str(e.value) == ("distributed.tp_size=32: larger than the student's vocabulary (18); set "
+                            "distributed.tp_size to a divisor of the world size of at most 18")
+    student.lm_head = torch.nn.Identity()
+    with pytest.raises(ConfigError) as e:
+        shard_student(student, TensorParallel(size=2, mesh=None, group=None))
+    assert str(e.value) == ("distributed.tp_size=2: the student's output embedding is Identity, not an nn.Linear "
+                            "lm_head; set distributed.tp_size=1")
 
 
 def test_tp_prompt_shares_are_checked_against_the_data_parallel_size():
