@@ -15,7 +15,8 @@ from opdistill.data.prompts import warn_unknown_chars
 from opdistill.errors import ConfigError, ModelError
 from opdistill.train.config import TrainerConfig
 
-__all__ = ["check_model_folders", "check_finite_weights", "check_finite_model", "check_against_models", "model_positions"]
+__all__ = ["check_model_folders", "check_finite_weights", "check_finite_model", "check_against_models",
+           "model_positions"]
 
 
 def check_model_folders(cfg: TrainerConfig) -> None:
