@@ -178,7 +178,8 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
     """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run.
     With overlap on, the request is still on its way when the step starts (``StepData.pending``); off, it is not."""
     from opdistill.engines.remote import TeacherServiceError
-    from tests.test_teacher_service import free_port, start_server, stop
+    from tests.server_helpers import free_port
+    from tests.test_teacher_service import start_server, stop
 
     local_rows, _ = in_process
     pending = []
@@ -243,6 +244,29 @@ def test_a_routed_run_resumes_with_the_uninterrupted_numbers(tmp, in_process):
     keys = [k for k in local_rows[1] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
     assert [r["step"] for r in got] == [1, 2]
     assert {k: got[1][k] for k in keys} == {k: local_rows[1][k] for k in keys}
+
+
+def test_a_named_teachers_client_keys_may_change_on_resume(tmp_path):
+    """teachers.N.url (a moved server) and the other client keys may change on --resume, as teacher.url's may; the
+    teachers themselves (name, path, how many) may not."""
+    from opdistill.train.rundir import RunError, check_checkpoint_config
+
+    old = {"train": {"steps": 2}, "teachers": [{"name": "a", "path": "ta", "url": None},
+                                               {"name": "b", "path": None, "url": "http://h:1", "overlap": True}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": old}))
+    new = copy.deepcopy(old)
+    new["teachers"][1].update(url="http://h2:2", overlap=False, timeout_s=9.0)
+    check_checkpoint_config(tmp_path, new)  # allowed: nothing raised
+    for change in (lambda c: c["teachers"][0].update(path="tb"), lambda c: c["teachers"].pop(),
+                   lambda c: c["teachers"][1].update(name="c", url="http://h2:2")):
+        bad = copy.deepcopy(old)
+        change(bad)
+        with pytest.raises(RunError) as e:
+            check_checkpoint_config(tmp_path, bad)
+        assert str(e.value) == (
+            f"--resume: checkpoint {tmp_path} was written with another config than this run's: teachers "
+            f"{old['teachers']!r} -> {bad['teachers']!r} (the checkpoint was copied from another run, or "
+            f"config.yaml was edited by hand); resume with the config it was written with, or start another run_dir")
 
 
 def test_a_dataset_column_routes_rows(tmp):
@@ -347,6 +371,23 @@ def test_an_incompatible_named_teacher_is_refused_naming_it(tmp):
     assert str(e.value).startswith("teachers.1.path: student and teacher are not compatible for distillation: ")
 
 
+def test_a_named_teacher_with_nan_weights_is_refused_naming_it(tmp):
+    from safetensors.torch import load_file, save_file
+
+    from opdistill.errors import ModelError
+
+    bad = Path(make_model_dir(tmp / "nan_teacher", hidden=32, layers=1, seed=4))
+    w = load_file(str(bad / "model.safetensors"))
+    w["model.norm.weight"][0] = float("nan")
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    c = _config(tmp, "nan_teacher")
+    c["teachers"][1]["path"] = str(bad)
+    with pytest.raises(ModelError) as e:
+        run_training(load_config(base=c), quiet=True)
+    assert str(e.value) == (f"teachers.1.path: weight model.norm.weight of '{bad}' holds NaN/inf (a corrupt or "
+                            f"diverged model folder); use an intact model folder")
+
+
 def test_mixed_task_draws_tags_and_scores_by_its_own_task():
     task = MixedTask(TASKS, {"short": 1, "long": 3})
     a = PromptSource(task, 5).batch(2, 200)
@@ -381,6 +422,31 @@ def test_routed_micro_batches_and_reassembly():
     got = PendingScores(parts).result()
     assert torch.equal(got.topk.ids, ids) and torch.equal(got.topk.logprobs, lp) and got.topk.validated
     assert torch.equal(got.sampled_logprobs, lp[:, :, 0])
+
+
+def test_overlapped_scores_follow_the_rows_to_their_device():
+    """train.device cuda: train_step moves the rows (data_to) while a request is still on its way (data.pending);
+    the scores that arrive later land on the rows' device. The meta device stands in for CUDA here."""
+    from concurrent.futures import Future
+
+    from opdistill.train.placement import data_to
+    from opdistill.train.step import StepData
+
+    ids = torch.tensor([[1, 2, 3]])
+    scores = TeacherScores(TeacherTopK(torch.zeros(1, 3, 2, dtype=torch.long), torch.full((1, 3, 2), -1.0),
+                                       validated=True), torch.full((1, 3), -0.5))
+    for sampled in (False, True):
+        fut: Future = Future()
+        data = StepData(ids, torch.ones_like(ids), torch.tensor([[0, 1, 1]]), row_teacher=torch.tensor([0]),
+                        teacher_names=("a",), pending=PendingScores([(None, fut)]))
+        moved = data_to(data, torch.device("meta"))
+        assert moved.pending is data.pending and moved.row_teacher.device.type == "meta"
+        fut.set_result(scores if not sampled else TeacherScores(None, scores.sampled_logprobs))
+        moved.pending.fill(moved)
+        assert moved.pending is None
+        got = [moved.teacher_sampled] if sampled else [moved.teacher_topk.ids, moved.teacher_topk.logprobs]
+        assert [t.device.type for t in got] == ["meta"] * len(got)
+        assert sampled or moved.teacher_topk.validated
 
 
 def test_metric_sums_renamed_copies_exactly():

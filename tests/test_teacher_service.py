@@ -7,10 +7,9 @@ log-softmax of the model's own logits, never from the code under test.
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from opdistill.serve.app import BadRequest, ServeError, TeacherService, _Job, ch
 from opdistill.teacher import score_teacher  # noqa: E402
 from opdistill.train import load_config, run_training  # noqa: E402
 from opdistill.errors import ConfigError  # noqa: E402
+from tests.server_helpers import free_port, start_server_process, stop_server_process  # noqa: E402,F401
 from tests.trainer_helpers import tiny_config_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,33 +37,15 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 TOKEN = "s3cret-token-for-tests"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str, port: int, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", model, "--port",
-                             str(port), "--threads", "1", *extra], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not come up in 90 s")
+    log = Path(tempfile.mkdtemp(prefix="serve_teacher_")) / "server.log"
+    return start_server_process([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", model, "--port",
+                                 str(port), "--threads", "1", *extra], f"http://127.0.0.1:{port}", log,
+                                what="serve-teacher", timeout_s=90, env=ENV)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    stop_server_process(proc, grace_s=0)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ Bounds: measured on CPU float32 (docs/teacher_service.md, "The vllm engine") and
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,8 @@ from opdistill.engines.remote import RemoteTeacher, TeacherServiceError, engine_
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import BadRequest, TeacherService, parse_request  # noqa: E402
 from opdistill.teacher import teacher_fingerprint, teacher_fingerprint_from_folder  # noqa: E402
-from tests.test_teacher_service import free_port  # noqa: E402
+from tests.server_helpers import (assert_same_ids_but_ties, demo_student_rows, free_port,  # noqa: E402
+                                  padded_rows, start_server_process, stop_server_process)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "opdistill" / "assets" / "demo"
@@ -49,15 +48,8 @@ LOSS_REL_BOUND = 2e-5
 RIGHT = torch.tensor([[1, 1, 1, 1, 0]])
 
 
-def _rows(V=18, B=3, S=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, S), generator=g)
-    am = torch.ones(B, S, dtype=torch.long)
-    am[1, S - 4 :] = 0  # right-padded rows
-    am[2, S - 1 :] = 0
-    rm = torch.zeros(B, S, dtype=torch.long)
-    rm[:, 4:] = 1
-    return ids, am, rm * am
+def _rows():
+    return padded_rows(B=3, S=12, seed=0)
 
 
 def _keep(rm):
@@ -195,33 +187,11 @@ def test_streaming_fingerprint_gives_up_where_the_files_do_not_hold_the_model(tm
 # -- vllm: one real vllm server and one hf server, shared by the module ----------------------------------------------
 def _start(engine: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    out = open(log, "wb")  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill", "serve-teacher", "--model", "builtin:demo-teacher",
-                             "--engine", engine, "--port", str(port), "--threads", "1"], env=ENV, stdout=out,
-                            stderr=subprocess.STDOUT)
-    out.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{engine} server did not come up in 300 s: {log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # uvicorn shuts down, then serve() closes the engine
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    proc = start_server_process([sys.executable, "-m", "opdistill", "serve-teacher", "--model",
+                                 "builtin:demo-teacher", "--engine", engine, "--port", str(port), "--threads", "1"],
+                                url, log, what=f"{engine} server", timeout_s=300, env=ENV)
+    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -234,25 +204,13 @@ def servers(tmp_path_factory):
         yield {"vllm": procs[0][1], "hf": procs[1][1]}
     finally:
         for proc, _ in procs:
-            _stop(proc)
+            stop_server_process(proc)  # SIGTERM: uvicorn shuts down, then serve() closes the engine
 
 
 @pytest.fixture(scope="module")
 def demo_rows():
-    """Right-padded prompt + response rows as the trainer holds them: the demo student's samples on carry-add
-    prompts (the positions a training step scores), plus random rows of the vocabulary."""
-    import random
-
-    from opdistill.data import CarryAdditionTask, render_prompt
-    from opdistill.rollout import generate_rollouts
-
-    tok = load_tokenizer(DEMO / "student")
-    student = load_model(DEMO / "student")
-    rng = random.Random(0)
-    task = CarryAdditionTask(1, 3)
-    prompts = [render_prompt(tok, task.sample(rng).prompt) for _ in range(6)]
-    ro = generate_rollouts(student, tok, prompts, n=2, temperature=1.0, max_new_tokens=24, seed=0)
-    return [(ro.input_ids, ro.attention_mask, ro.response_mask), _rows(B=4, S=30, seed=1)]
+    """The demo student's samples (the positions a training step scores), plus random rows of the vocabulary."""
+    return [demo_student_rows(), padded_rows(B=4, S=30, seed=1)]
 
 
 @pytest.mark.vllm
@@ -280,13 +238,7 @@ def test_scores_equal_the_hf_servers_to_the_measured_bound(servers, demo_rows, p
         lp_v, lp_h = got.topk.logprobs[keep], ref.topk.logprobs[keep]
         diffs += [(lp_v - lp_h).abs().max().item(),
                   (got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item()]
-        same = got.topk.ids[keep] == ref.topk.ids[keep]
-        # ids may differ only where two of the teacher's log-probs tie within the bound
-        gaps = (lp_h[:, 1:] - lp_h[:, :-1]).abs() < LP_BOUND
-        tied = torch.zeros_like(same)
-        tied[:, 1:] |= gaps
-        tied[:, :-1] |= gaps
-        assert bool((same | tied).all())
+        assert_same_ids_but_ties(got.topk.ids[keep], ref.topk.ids[keep], lp_h, LP_BOUND)
         # nothing scored elsewhere, as from the hf server
         assert torch.equal(got.topk.ids[~keep], ref.topk.ids[~keep])
         assert torch.equal(got.sampled_logprobs[~keep], ref.sampled_logprobs[~keep])

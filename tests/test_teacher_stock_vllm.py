@@ -14,8 +14,6 @@ room.
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,9 +24,10 @@ import torch
 httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
 
 from opdistill.engines.remote import TeacherServiceError, VLLMPromptLogprobsTeacher, scored_positions  # noqa: E402
-from opdistill.models import load_model, load_tokenizer  # noqa: E402
+from opdistill.models import load_model  # noqa: E402
 from opdistill.teacher import score_teacher  # noqa: E402
-from tests.test_teacher_service import free_port  # noqa: E402
+from tests.server_helpers import (assert_same_ids_but_ties, demo_student_rows, free_port,  # noqa: E402
+                                  padded_rows, start_server_process, stop_server_process)
 
 pytestmark = pytest.mark.vllm
 
@@ -45,10 +44,6 @@ LP_BOUND = 1e-4
 LOSS_REL_BOUND = 2e-5
 
 
-def _log_tail(log: Path, n: int = 3000) -> str:
-    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
-
-
 @pytest.fixture(scope="module")
 def stock_vllm(tmp_path_factory):
     """A stock vLLM OpenAI server on the demo teacher; its URL. Killed (its process group: the API server and its
@@ -60,68 +55,26 @@ def stock_vllm(tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEMO / "teacher"),
            "--served-model-name", SERVED, "--dtype", "float32", "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0",
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "wb") as out:  # a file, not a pipe: nobody reads a pipe while the tests run, and a full one blocks
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
+    proc = start_server_process(cmd, url, log, what="vllm server", timeout_s=START_TIMEOUT_S, env=env,
+                                new_session=True)
+    print(f"\nstock vllm server up in {time.time() - t0:.1f} s")
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm server exited {proc.returncode} before /health answered; its log ends:\n"
-                            f"{_log_tail(log)}", pytrace=False)
-            if time.time() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vllm server: /health did not answer 200 in {START_TIMEOUT_S} s; its log ends:\n"
-                            f"{_log_tail(log)}", pytrace=False)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        print(f"\nstock vllm server up in {time.time() - t0:.1f} s")
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # the API server shuts its engine core down
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    finally:  # SIGTERM: the API server shuts its engine core down; then whatever of its group is left
+        stop_server_process(proc, group=True)
 
 
-def _rows(V=18, B=4, S=30, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, S), generator=g)
-    am = torch.ones(B, S, dtype=torch.long)
-    am[1, S - 4 :] = 0  # right-padded rows
-    am[2, S - 1 :] = 0
-    rm = torch.zeros(B, S, dtype=torch.long)
-    rm[:, 4:] = 1
-    return ids, am, rm * am
+def _rows():
+    return padded_rows(B=4, S=30, seed=1)
 
 
 @pytest.fixture(scope="module")
 def demo_rows():
-    """Right-padded prompt + response rows as the trainer holds them: the demo student's samples on carry-add
-    prompts (sent twice: vLLM's prefix cache holds them the second time, which prompt_logprobs requests must not
-    read), plus random rows."""
-    import random
-
-    from opdistill.data import CarryAdditionTask, render_prompt
-    from opdistill.rollout import generate_rollouts
-
-    tok = load_tokenizer(DEMO / "student")
-    student = load_model(DEMO / "student")
-    rng = random.Random(0)
-    task = CarryAdditionTask(1, 3)
-    prompts = [render_prompt(tok, task.sample(rng).prompt) for _ in range(6)]
-    ro = generate_rollouts(student, tok, prompts, n=2, temperature=1.0, max_new_tokens=24, seed=0)
-    rows = (ro.input_ids, ro.attention_mask, ro.response_mask)
+    """The demo student's samples (sent twice: vLLM's prefix cache holds them the second time, which
+    prompt_logprobs requests must not read), plus random rows."""
+    rows = demo_student_rows()
     return [rows, rows, _rows()]
 
 
@@ -151,13 +104,7 @@ def test_scores_equal_the_in_process_teachers_to_the_measured_bound(stock_vllm, 
             assert torch.equal(got.topk.logprobs[~keep], ref.topk.logprobs[~keep])
             lp_v, lp_h = got.topk.logprobs[keep], ref.topk.logprobs[keep]
             diffs["topk"].append((lp_v - lp_h).abs().max().item())
-            # ids may differ only where two of the teacher's log-probs tie within the bound
-            same = got.topk.ids[keep] == ref.topk.ids[keep]
-            gaps = (lp_h[:, 1:] - lp_h[:, :-1]).abs() < LP_BOUND
-            tied = torch.zeros_like(same)
-            tied[:, 1:] |= gaps
-            tied[:, :-1] |= gaps
-            assert bool((same | tied).all())
+            assert_same_ids_but_ties(got.topk.ids[keep], ref.topk.ids[keep], lp_h, LP_BOUND)
     print(f"K={k}: max |stock vllm - in-process hf| top-K log-prob {max(diffs['topk'], default=0):.3g}, "
           f"next-token {max(diffs['next']):.3g}")
     assert max(diffs["topk"] + diffs["next"]) < LP_BOUND

@@ -5,7 +5,8 @@ One ``mp.spawn`` launch (tests/distributed_trainer.py) runs every world-2 traine
 against the replicated teacher's, on_policy with ``model.teacher_sharded`` (2 steps), off_policy (DDP) and rl
 (FSDP2), two routed teachers, then the same 2 processes as a 1 x 2 (dp x tp) mesh with ``distributed.tp_size=2``
 (vocab-parallel lm_head: on_policy, rl, the sampled-token loss on an odd vocabulary, and on_policy in fp64 with
-its checkpoints). One more launch runs a 2 x 2 mesh on 4 processes. The world-1 runs happen in this process.
+its checkpoints, and the two routed teachers). One more launch runs a 2 x 2 mesh on 4 processes (also with the
+teacher sharded over the dp groups). The world-1 runs happen in this process.
 Then one ``torchrun -m opdistill train`` launch covers the real entry point
 on the demo config, and one more a rank that raises (the job must stop promptly with that rank's error).
 
@@ -101,6 +102,15 @@ def _assert_close_rows(got, want, rel=REL):
             assert a == pytest.approx(b, rel=rel, abs=1e-12), (s, g, w)
 
 
+def _copy_run_cut_at(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` whose checkpoints after ``step`` are removed (a resume continues from ``step``)."""
+    shutil.copytree(src, dst)
+    for c in (dst / "checkpoints").iterdir():
+        if int(c.name.split("_")[1]) > step:
+            shutil.rmtree(c)
+    return dst
+
+
 def _eval_rows(run_dir):
     return [{k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(run_dir)
             if "eval/greedy_acc" in r]
@@ -154,6 +164,8 @@ def runs(tmp_path_factory):
         {"name": "tp_from_1", "config": _with_run_dir(_tp(cfgs["on64"]), tmp / "tp_from_1"), "resume": True,
          "prepare_resume_from": str(tmp / "w1_on64"), "resume_step": 2},
         {"name": "mt", "config": _with_run_dir(cfgs["mt"], tmp / "w2_mt")},
+        # two routed teachers with the vocab-parallel lm_head (1 x 2): routed micro-batches, per-teacher metrics
+        {"name": "tp_mt", "config": _with_run_dir(_tp(cfgs["mt"]), tmp / "tp_mt")},
     ]
     out = tmp / "out"
     out.mkdir()
@@ -180,18 +192,38 @@ def test_world2_samples_and_losses_equal_world1(runs, name):
     assert steps == list(range(1, len(w1) + 1))
 
 
-def test_world2_per_teacher_metrics_equal_world1(runs):
-    """Two routed teachers: every teacher/<name>/* metric reduced over the group equals the one-process value."""
-    tmp, _, _ = runs
-    w1 = [r for r in read_metrics(tmp / "w1_mt") if "train/grad_norm" in r]
-    w2 = [r for r in read_metrics(tmp / "w2_mt") if "train/grad_norm" in r]
-    assert len(w1) == len(w2) == 2
-    for a, b in zip(w2, w1):
+def _assert_teacher_metrics_close(run_dir, ref_dir, abs_tol) -> None:
+    """Every teacher/<name>/* metric of each step of ``run_dir`` equals ``ref_dir``'s (the one-process routed run)
+    to REL relative, ``abs_tol(name)`` absolute; both teachers scored rows in every step."""
+    ref = [r for r in read_metrics(ref_dir) if "train/grad_norm" in r]
+    got = [r for r in read_metrics(run_dir) if "train/grad_norm" in r]
+    assert len(ref) == len(got) == 2
+    for a, b in zip(got, ref):
         names = sorted(k for k in b if k.startswith("teacher/"))
         assert names == sorted(k for k in a if k.startswith("teacher/")) and len(names) >= 20
         assert 0 < b["teacher/a/token_frac"] < 1  # both teachers scored rows in the step
-        for k in names:  # a per-token extremum of a near-zero loss: fp32 rounding of the token's terms (abs)
-            assert a[k] == pytest.approx(b[k], rel=REL, abs=1e-8 if k.endswith(("_min", "_max")) else 1e-12), k
+        for k in names:
+            assert a[k] == pytest.approx(b[k], rel=REL, abs=abs_tol(k)), k
+
+
+def test_world2_per_teacher_metrics_equal_world1(runs):
+    """Two routed teachers: every teacher/<name>/* metric reduced over the group equals the one-process value; a
+    per-token extremum of a near-zero loss differs by fp32 rounding of the token's terms (1e-8 absolute)."""
+    tmp, _, _ = runs
+    _assert_teacher_metrics_close(tmp / "w2_mt", tmp / "w1_mt",
+                                  lambda k: 1e-8 if k.endswith(("_min", "_max")) else 1e-12)
+
+
+def test_tp2_with_two_routed_teachers_equals_world1(runs):
+    """teachers + routing with distributed.tp_size=2 (1 x 2): the per-step losses, gradient norms and every
+    teacher/<name>/* metric equal the one-process routed run's (fp32, 2 steps). Teacher "a" is the student's own
+    folder: its per-token losses at step 1 are 0 in one process and fp32 rounding of the vocab-parallel logsumexp at
+    tp 2 (loss_max 2.8e-8 seen; the largest difference of any metric 6e-8, 2 ulp of a 0.27 mass), hence an absolute
+    tolerance of 2e-7 besides the relative 1e-5."""
+    tmp, _, tokens1 = runs
+    assert _tp_tokens(tmp / "out", "tp_mt") == tokens1["mt"]
+    _assert_close_rows(_losses(tmp / "tp_mt"), _losses(tmp / "w1_mt"))
+    _assert_teacher_metrics_close(tmp / "tp_mt", tmp / "w1_mt", lambda k: 2e-7)
 
 
 def test_world2_evaluation_equals_world1(runs):
@@ -245,12 +277,14 @@ def test_sharded_teacher_trains_as_the_replicated_one(runs):
      "with data.teacher_cache (the cache replaces the teacher)"),
     ({"train": {"method": "rl"}, "model": {"teacher": None}, "rollout": {"n": 2}},
      "without a teacher model folder (model.teacher is None)"),
+    ({"model": {"teacher": None}, "teachers": [{"name": "a", "path": "ta"}], "routing": {"default": "a"}},
+     "with teachers (named teachers are replicated on every rank; only model.teacher can be sharded)"),
 ])
 def test_teacher_sharded_refuses_what_has_no_in_process_teacher_to_shard(extra, why):
     base = {"model": {"student": "s", "teacher": "t", "teacher_sharded": True},
             "loss": {"loss_mode": "topk", "topk": 4}}
     for section, values in extra.items():
-        base[section] = {**base.get(section, {}), **values}
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
     with pytest.raises(ConfigError) as e:
         load_config(base=base)
     assert str(e.value) == f"model.teacher_sharded: expected false {why}, got True"
@@ -267,11 +301,7 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     # and a one-process checkpoint (world 1's step 2) resumed at world 2
     _assert_close_rows(_losses(tmp / "w2_on_from1"), full)
     # resumed here, at world 1, from the same checkpoint
-    w1 = tmp / "w1_resume"
-    shutil.copytree(tmp / "w2_on", w1)
-    for c in (w1 / "checkpoints").iterdir():
-        if int(c.name.split("_")[1]) > 2:
-            shutil.rmtree(c)
+    w1 = _copy_run_cut_at(tmp / "w2_on", tmp / "w1_resume", 2)
     loop.run_training(load_config(base=_with_run_dir(cfgs["on"], w1)), resume=True, quiet=True)
     _assert_close_rows(_losses(w1), full)
     # the final student is also a plain transformers folder, holding exactly the sharded state's weights
@@ -326,11 +356,7 @@ def test_tp2_checkpoints_resume_and_export_the_full_lm_head(runs):
     assert len(full) == 4
     _assert_close_rows(_losses(tmp / "tp_on64_resume"), full, rel=1e-9)  # tp checkpoint at tp 2
     _assert_close_rows(_losses(tmp / "tp_from_1"), full, rel=1e-9)  # world 1's one-process checkpoint at tp 2
-    w1 = tmp / "w1_from_tp"
-    shutil.copytree(tmp / "tp_on64", w1)
-    for c in (w1 / "checkpoints").iterdir():
-        if int(c.name.split("_")[1]) > 2:
-            shutil.rmtree(c)
+    w1 = _copy_run_cut_at(tmp / "tp_on64", tmp / "w1_from_tp", 2)
     loop.run_training(load_config(base=_with_run_dir(cfgs["on64"], w1)), resume=True, quiet=True)
     _assert_close_rows(_losses(w1), full, rel=1e-9)  # the tp checkpoint at world 1
     from transformers import AutoModelForCausalLM
@@ -354,12 +380,17 @@ def test_tp2_checkpoints_resume_and_export_the_full_lm_head(runs):
 
 def test_2x2_mesh_on_4_processes_equals_world1(runs):
     """2 x 2 (dp x tp) on 4 gloo processes (fp64, 3 steps): each dp rank's two tp ranks sample its 2 prompts
-    alike, and the per-step losses and gradient norms are world 1's to 1e-9."""
+    alike, and the per-step losses and gradient norms are world 1's to 1e-9; also with the teacher sharded over
+    the dp groups (``model.teacher_sharded``, 2 steps)."""
     tmp, cfgs, tokens1 = runs
     out = tmp / "out4"
     out.mkdir()
-    (out / "plan.json").write_text(json.dumps([{"name": "tp4", "config": _with_run_dir(_tp(cfgs["on64"], steps=3),
-                                                                                     tmp / "tp4")}]))
+    # the teacher FSDP2-sharded over the 2 dp ranks next to the (dp, tp) student (fp64, 2 steps, no checkpoint)
+    tshard = {**_tp(cfgs["on64"], steps=2), "model": {**cfgs["on64"]["model"], "teacher_sharded": True},
+              "checkpoint": {"every": 0, "save_final": False}}
+    (out / "plan.json").write_text(json.dumps([
+        {"name": "tp4", "config": _with_run_dir(_tp(cfgs["on64"], steps=3), tmp / "tp4")},
+        {"name": "tp4_tshard", "config": _with_run_dir(tshard, tmp / "tp4_tshard")}]))
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 4, str(out))
     print(f"2x2 launch: {time.monotonic() - t0:.1f} s")
@@ -371,11 +402,30 @@ def test_2x2_mesh_on_4_processes_equals_world1(runs):
                 merged[step][p] = rows
     assert merged == {s: p for s, p in tokens1["on64"].items() if int(s) <= 3}
     _assert_close_rows(_losses(tmp / "tp4"), _losses(tmp / "w1_on64")[:3], rel=1e-9)
+    # model.teacher_sharded with tp: the teacher sharded over each tp rank's dp group, the same losses
+    _assert_close_rows(_losses(tmp / "tp4_tshard"), _losses(tmp / "w1_on64")[:2], rel=1e-9)
 
 
 def _tp_config(**over):
     return load_config(base={"model": {"student": "s", "teacher": "t"}, "data": {"prompts_per_step": 4},
                              "eval": {"num_prompts": 0}, "loss": {"loss_mode": "topk", "topk": 4}, **over})
+
+
+def test_tp_refuses_a_student_it_cannot_shard():
+    """Checked before any collective: a vocabulary smaller than tp_size, an output embedding that is not a Linear."""
+    from opdistill.models import build_tiny_llama, char_tokenizer
+    from opdistill.train.tensor_parallel import TensorParallel, shard_student
+
+    student = build_tiny_llama(char_tokenizer(CARRY_ADD_CHARS), hidden_size=16, num_layers=1, num_heads=2)
+    with pytest.raises(ConfigError) as e:
+        shard_student(student, TensorParallel(size=32, mesh=None, group=None))
+    assert str(e.value) == ("distributed.tp_size=32: larger than the student's vocabulary (18); set "
+                            "distributed.tp_size to a divisor of the world size of at most 18")
+    student.lm_head = torch.nn.Identity()
+    with pytest.raises(ConfigError) as e:
+        shard_student(student, TensorParallel(size=2, mesh=None, group=None))
+    assert str(e.value) == ("distributed.tp_size=2: the student's output embedding is Identity, not an nn.Linear "
+                            "lm_head; set distributed.tp_size=1")
 
 
 def test_tp_prompt_shares_are_checked_against_the_data_parallel_size():

@@ -335,6 +335,8 @@ class TrainerConfig(_Section):
             need(self.teacher.engine == "hf", no, "false with teacher.engine vllm (the engine holds the teacher)", True)
             need(self.data.teacher_cache is None, no, "false with data.teacher_cache (the cache replaces the teacher)",
                  True)
+            need(self.teachers is None, no, "false with teachers (named teachers are replicated on every rank; only "
+                 "model.teacher can be sharded)", True)
             need(self.model.teacher not in (None, "self"), no, "false without a teacher model folder (model.teacher "
                  f"is {self.model.teacher!r})", True)
             need(method != "off_policy", no, "false with train.method off_policy (the teacher decodes the samples, and "

@@ -16,7 +16,7 @@ import torch
 
 from opdistill.errors import ConfigError
 
-__all__ = ["run_device", "place_models", "data_to"]
+__all__ = ["run_device", "place_models", "data_to", "scores_to"]
 
 
 def run_device(cfg) -> torch.device:
@@ -52,12 +52,19 @@ def data_to(data, device: torch.device):
     """A :class:`~opdistill.train.step.StepData` with every tensor on ``device`` (itself when already there)."""
     if data.input_ids.device == device:
         return data
-    moved = {}
-    for f in dataclasses.fields(data):
-        v = getattr(data, f.name)
-        if isinstance(v, torch.Tensor):
-            v = v.to(device)
-        elif v is not None and hasattr(v, "ids") and hasattr(v, "logprobs"):  # TeacherTopK
-            v = type(v)(v.ids.to(device), v.logprobs.to(device), validated=v.validated)
-        moved[f.name] = v
-    return dataclasses.replace(data, **moved)
+    return dataclasses.replace(data, **{f.name: _to(getattr(data, f.name), device) for f in dataclasses.fields(data)})
+
+
+def scores_to(topk, sampled, device: torch.device):
+    """``(teacher top-k, teacher sampled log-probs)`` on ``device``: scores that arrive after :func:`data_to` moved
+    the step's rows (a remote teacher's overlapped request, ``StepData.pending``) follow them there."""
+    return _to(topk, device), _to(sampled, device)
+
+
+def _to(v, device: torch.device):
+    """A tensor or a TeacherTopK on ``device``; anything else (None, names, a PendingScores) as it is."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if v is not None and hasattr(v, "ids") and hasattr(v, "logprobs"):  # TeacherTopK
+        return type(v)(v.ids.to(device), v.logprobs.to(device), validated=v.validated)
+    return v

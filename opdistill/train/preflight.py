@@ -15,7 +15,8 @@ from opdistill.data.prompts import warn_unknown_chars
 from opdistill.errors import ConfigError, ModelError
 from opdistill.train.config import TrainerConfig
 
-__all__ = ["check_model_folders", "check_finite_weights", "check_against_models", "model_positions"]
+__all__ = ["check_model_folders", "check_finite_weights", "check_finite_model", "check_against_models",
+           "model_positions"]
 
 
 def check_model_folders(cfg: TrainerConfig) -> None:
@@ -38,12 +39,17 @@ def check_finite_weights(cfg: TrainerConfig, student, teacher) -> None:
     otherwise the first evaluation or training step fails deep inside the loss, or every step is skipped as
     non-finite. One pass over the weights, right after loading."""
     for key, model in (("model.student", student), ("model.teacher", teacher)):
-        if model is None:
-            continue
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ModelError(f"{key}: weight {name} of {getattr(cfg.model, key.split('.')[1])!r} holds NaN/inf "
-                                 f"(a corrupt or diverged model folder); use an intact model folder")
+        if model is not None:
+            check_finite_model(key, model, getattr(cfg.model, key.split('.')[1]))
+
+
+def check_finite_model(key: str, model, path) -> None:
+    """:func:`check_finite_weights` for one model loaded from ``path`` (a ``teachers`` entry's: ``key``
+    teachers.N.path)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ModelError(f"{key}: weight {name} of {path!r} holds NaN/inf (a corrupt or diverged model folder); "
+                             f"use an intact model folder")
 
 
 def model_positions(model) -> int | None:

@@ -56,6 +56,13 @@ RESUMABLE_KEYS = (
     "teacher.overlap",  # requests overlapped with the student's forward or not: the same numbers (tested)
     "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
     "model.teacher_sharded",  # where the teacher's weights live, not its scores (equal, tested)
+    # a ``teachers`` entry's client keys, as teacher.*'s (the list is compared item by item: _resumable)
+    "teachers.*.url",
+    "teachers.*.token_file",
+    "teachers.*.timeout_s",
+    "teachers.*.retries",
+    "teachers.*.backoff_s",
+    "teachers.*.overlap",
 )
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
@@ -158,8 +165,17 @@ def flatten_config(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _resumable(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_KEYS)
+def _resumable(key: str, change: tuple | None = None) -> bool:
+    """``key`` matches RESUMABLE_KEYS; a list of sections (``teachers``) of the same length whose items differ only
+    in keys that match as ``key.N.subkey`` (``teachers.0.url``) is resumable too."""
+    if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE_KEYS):
+        return True
+    a, b = change or (None, None)
+    if not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+            and all(isinstance(x, dict) for x in a + b)):
+        return False
+    items = config_changes({key: {str(i): x for i, x in enumerate(a)}}, {key: {str(i): x for i, x in enumerate(b)}})
+    return all(_resumable(k) for k in items)
 
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple]:
@@ -225,7 +241,7 @@ class RunDir:
         """Refuse a change to a key outside :data:`RESUMABLE_KEYS` (with the diff of every such key); append the
         allowed changes to ``config_history.jsonl``; return them."""
         changes = config_changes(old, new)
-        refused = {k: v for k, v in changes.items() if not _resumable(k)}
+        refused = {k: v for k, v in changes.items() if not _resumable(k, v)}
         if refused:
             raise RunError(f"--resume: the config changes what run {self.path} means: {_fmt_changes(refused)}; only "
                            f"{', '.join(RESUMABLE_KEYS)} may change on resume (start another run_dir, or use "
@@ -328,7 +344,7 @@ def check_checkpoint_config(ckpt: Path, new: dict) -> None:
     if not isinstance(saved, dict):
         return
     changes = config_changes(json.loads(json.dumps(saved)), json.loads(json.dumps(new, default=str)))
-    refused = {k: v for k, v in changes.items() if not _resumable(k)}
+    refused = {k: v for k, v in changes.items() if not _resumable(k, v)}
     if refused:
         raise RunError(f"--resume: checkpoint {ckpt} was written with another config than this run's: "
                        f"{_fmt_changes(refused)} (the checkpoint was copied from another run, or config.yaml was "

@@ -38,9 +38,10 @@ import torch
 
 from opdistill import TeacherTopK
 from opdistill.engines.remote import RemoteTeacher
-from opdistill.errors import ConfigError, DataError, IncompatibleModelsError, ModelError
+from opdistill.errors import ConfigError, DataError, IncompatibleModelsError
 from opdistill.metrics import MetricSums
 from opdistill.teacher import TeacherScores
+from opdistill.train.placement import scores_to
 from opdistill.train.remote_teacher import connect_teacher, score_rollouts, score_rows
 
 __all__ = ["TeacherSet", "PendingScores", "TeacherMetrics", "open_teachers", "attach_scores", "routed_split"]
@@ -81,6 +82,7 @@ def _load_named(cfg, spec, key: str, tok, student):
     """An in-process named teacher, loaded and checked like model.teacher (folder, tokenizer and head compatibility
     with the student, finite weights), errors naming ``key``."""
     from opdistill.models import check_compatible, load_model, load_tokenizer, model_folder
+    from opdistill.train.preflight import check_finite_model
     from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     mc = cfg.model
@@ -96,10 +98,7 @@ def _load_named(cfg, spec, key: str, tok, student):
         check_compatible(tok, load_tokenizer(path, trust_remote_code=mc.trust_remote_code), student, teacher)
     except IncompatibleModelsError as e:
         raise IncompatibleModelsError(f"{key}: " + str(e).removeprefix("model.teacher: ")) from None
-    for name, t in list(teacher.named_parameters()) + list(teacher.named_buffers()):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ModelError(f"{key}: weight {name} of {spec.path!r} holds NaN/inf (a corrupt or diverged model "
-                             f"folder); use an intact model folder")
+    check_finite_model(key, teacher, spec.path)
     return teacher
 
 
@@ -193,9 +192,12 @@ class PendingScores:
         return TeacherScores(topk=topk, sampled_logprobs=join(lambda s: s.sampled_logprobs))
 
     def fill(self, data) -> None:
-        """Wait for every part and set ``data.teacher_topk`` / ``data.teacher_sampled``; ``data.pending`` cleared."""
+        """Wait for every part and set ``data.teacher_topk`` / ``data.teacher_sampled`` on the device of ``data``'s
+        rows (``train.device: cuda`` moved them there before the scores arrived); ``data.pending`` cleared."""
         scores = self.result()
-        data.teacher_topk, data.teacher_sampled, data.pending = scores.topk, scores.sampled_logprobs, None
+        data.teacher_topk, data.teacher_sampled = scores_to(scores.topk, scores.sampled_logprobs,
+                                                            data.input_ids.device)
+        data.pending = None
 
 
 def attach_scores(data, scorer, ro, problems, cfg, step: int) -> None:

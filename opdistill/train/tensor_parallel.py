@@ -89,7 +89,8 @@ def shard_student(student, tp: TensorParallel) -> None:
     tied = embed is not None and embed.weight is head.weight
     V = head.out_features
     if V < tp.size:
-        raise ConfigError(f"distributed.tp_size={tp.size}: larger than the student's vocabulary ({V})")
+        raise ConfigError(f"distributed.tp_size={tp.size}: larger than the student's vocabulary ({V}); set "
+                          f"distributed.tp_size to a divisor of the world size of at most {V}")
     plan = {_module_path(student, head): ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
     if tied:
         plan[_module_path(student, embed)] = RowwiseParallel(input_layouts=Replicate())
