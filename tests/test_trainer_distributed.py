@@ -619,3 +619,20 @@ def test_a_one_process_group_made_by_someone_else_trains_as_one_process(tmp_path
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
     assert manifest.get("layout", "single") == "single"
+
+
+def test_a_sharded_teacher_needs_a_held_out_problem_on_every_rank():
+    """A rank with no held-out problem would skip its teacher forwards while the others wait on its gathers."""
+    from opdistill.train.distributed import DistContext
+    from opdistill.train.sharded_teacher import check_held_out
+
+    cfg = _tp_config(model={"student": "s", "teacher": "t", "teacher_sharded": True})
+    ctx = DistContext(rank=0, world=4, strategy="fsdp2", group=object())
+    with pytest.raises(ConfigError) as e:
+        check_held_out(ctx, cfg, 3)
+    assert str(e.value) == ("eval.num_prompts: the held-out set has 3 problem(s), fewer than the 4 data-parallel "
+                            "ranks; with model.teacher_sharded every rank evaluates at least one (add held-out rows, "
+                            "or set eval.num_prompts=0)")
+    check_held_out(ctx, cfg, 4)  # one each
+    check_held_out(ctx, cfg, 0)  # no evaluation at all
+    check_held_out(ctx, _tp_config(), 3)  # a replicated teacher: a rank with no problem just reports zeros

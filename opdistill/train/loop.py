@@ -46,7 +46,7 @@ from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.remote_teacher import connect_teacher
 from opdistill.train.teachers import attach_scores, open_teachers
-from opdistill.train.sharded_teacher import shard_teacher
+from opdistill.train.sharded_teacher import check_held_out, shard_teacher
 from opdistill.train.placement import place_models, run_device
 from opdistill.train.step import StepData, group_advantages, train_step
 
@@ -305,6 +305,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
         teacher = routed if routed is not None else teacher
         source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
         held_out = source.held_out(cfg.eval.num_prompts)
+        check_held_out(ctx, cfg, len(held_out))  # a sharded teacher: every rank evaluates (its forwards)
         if cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(student)
         if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training

@@ -31,8 +31,9 @@ from opdistill.fused import backbone_of
 from opdistill.teacher import TeacherScores, score_teacher
 from opdistill.train.distributed import _decoder_layers
 from opdistill import TeacherTopK
+from opdistill.errors import ConfigError
 
-__all__ = ["ShardedTeacher", "shard_teacher"]
+__all__ = ["ShardedTeacher", "shard_teacher", "check_held_out"]
 
 ROW_CHUNK = 64  # rows per teacher forward: score_teacher's default, so the chunks are the replicated scorer's
 
@@ -124,3 +125,15 @@ def shard_teacher(ctx, cfg, teacher):
     if mesh.ndim > 1:  # a (dp, tp) mesh: shard over the data-parallel dimension
         mesh = mesh["dp"]
     return ShardedTeacher(teacher, mesh, mesh.get_group())
+
+
+def check_held_out(ctx, cfg, num_held_out: int) -> None:
+    """A sharded teacher scores in every rank's evaluation, so every data-parallel rank needs at least one held-out
+    problem (a rank without one would skip its forwards and the others would wait on it): refused in one line."""
+    if not (cfg.model.teacher_sharded and ctx.enabled and cfg.eval.sampled) or num_held_out == 0:
+        return
+    dp = ctx.dp[1]
+    if num_held_out < dp:
+        raise ConfigError(f"eval.num_prompts: the held-out set has {num_held_out} problem(s), fewer than the "
+                          f"{dp} data-parallel ranks; with model.teacher_sharded every rank evaluates at least one "
+                          f"(add held-out rows, or set eval.num_prompts=0)")
