@@ -99,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)
     from opdistill.data import PromptSource
     from opdistill.train import load_config
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
