@@ -377,7 +377,8 @@ def confident_tail_case(seed: int = 0, n: int = 9, V: int = 301, K: int = 4):
         lse_bg = torch.logsumexp(z[r], 0)
         z[r] += lse_top + torch.log(target[r] / (1 - target[r])) - lse_bg  # background mass / top mass = target/(1-t)
     z.scatter_(1, ids, top)
-    nu = torch.softmax(torch.randn(n, K, generator=g, dtype=torch.float64), -1) * (0.85 + 0.1 * torch.rand(n, 1, generator=g, dtype=torch.float64))
+    mass = 0.85 + 0.1 * torch.rand(n, 1, generator=g, dtype=torch.float64)  # teacher P in [0.85, 0.95]
+    nu = torch.softmax(torch.randn(n, K, generator=g, dtype=torch.float64), -1) * mass
     lp = nu.log()
     lp[-1, 0] = float("-inf")
     return z.float(), ids, lp.float()

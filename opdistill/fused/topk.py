@@ -12,6 +12,9 @@ objective o_t (L_t; for ``fused_topk_loss``, w_t clamp(L_t)) and an incoming gra
 
     forward, per chunk:  z, lse, s = log pi(T);  g = d o_t / ds_t  (autograd on [c, K]);
                          dL/dz = (1/tau) (scatter(g) - (sum_k g_k) pi)  in place;
+                         tail: the rest log(1 - Q) = log sum_{j not in T} e^{z_j - m} - log S is one more per-row
+                         sum of the chunk pass; g_r = d o_t / d log(1 - Q) adds
+                         (1/tau) g_r ([j not in T] pi_j / (1 - Q) - pi_j)
                          grad_h[chunk] = dL/dz W,   grad_W += dL/dz^T h,   grad_b += sum_rows dL/dz
     backward:            u is one value c on every live row (a sum or mean of the per-token losses, the weighted
                          objective): the stored gradients times c, no GEMM;  otherwise each chunk is recomputed with

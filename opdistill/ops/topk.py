@@ -19,6 +19,10 @@ Masked positions: a row whose K slots are all empty (``DistillationLoss`` sends 
 by zeros before the log-softmax, so a NaN/inf the student holds there reaches neither the loss nor any gradient.
 With ``validate=True`` a NaN/+inf in a live row is refused (``check_finite_rows``, read off the log-sum-exp).
 
+The student's rest mass of tail, log(1 - Q), is summed directly over the vocabulary outside T (``student_rest_at``;
+the sharded stages do the same in their chunk pass), not taken as log(1 - sum_k exp(s_k)): the s_k carry the
+rounding of lse (~1e-7 |lse| absolutely), which makes 1 - Q relatively wrong where the student is confident.
+
 Rest-mass floors (documented in docs/losses.md): the student's rest mass 1 - Q is floored at ``TAIL_MASS_EPS``
 in every tail divergence (its log would otherwise be -inf when the top-k hold all the mass in fp32, and the
 gradient infinite); the teacher's rest mass 1 - P is floored at ``TAIL_MASS_EPS`` in reverse and jsd (it sits in a

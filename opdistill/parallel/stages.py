@@ -9,6 +9,8 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
     S      = sum_j exp(z_j - m)                    all-reduce SUM of the local sums                          [N, X]
     z_ik   = z at the teacher id i_k               same SUM message: only the owning rank contributes        [N, K]
     T      = sum_j exp(z_j - m) (z_j - m)          same SUM message, only when the entropy is asked          [N]
+    R      = sum_{j not in T} exp(z_j - m)         same SUM message, only when the rest mass is asked (tail) [N]
+             log(1 - Q) = log R - log S, summed directly (never 1 - sum_k pi(i_k)): exact relative precision
     lse    = m + log S,     s_k = z_ik - lse = log pi(i_k),     E = -sum_j pi_j log pi_j = log S - T / S
   identical on every rank.  Ids owned by another rank gather at local index 0 with a zero weight
   (``where(owned, ., 0)``), so a real token at local index 0 is never disturbed.
@@ -16,6 +18,7 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
 ``logit_grad``  (no collective) for any per-token loss that reaches the logits only through s (and E),
   g_k = dL/ds_k, gE = dL/dE:
     dL/dz_j = (1/tau) * (sum_k g_k [i_k = j]  -  (sum_k g_k) pi_j  -  gE pi_j (log pi_j + E)),   pi_j = exp(z_j - lse)
+  and with g_r = dL/d log(1 - Q) (tail):  + (1/tau) g_r ([j not in T] pi_j / (1 - Q) - pi_j)
   g is the same on every rank; pi_j is recomputed chunk-wise from the saved logits (their own dtype) and lse, and
   each rank scatter-adds only the g_k of the ids it owns (duplicates add up, as the single-device gather's backward).
 

@@ -4,7 +4,8 @@ Same arguments, same ``TopKResult``, same numbers (up to the summation order of 
 math is the single-device stages, unchanged: ``topk_loss_from_logprobs`` and ``finish_topk``; only s_k = log pi(i_k)
 (``stages.lse_and_gather``), its logit gradient (``stages.logit_grad``) and the student's top-K
 (``stages.global_topk``) know about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM
-[N, 1 + K (+ 1 for tail: the rest mass)], all_gather [N, 2K] (the overlap metric); none in backward; none at all for a group of one rank.
+[N, 1 + K (+ 1 for tail: the rest mass)], all_gather [N, 2K] (the overlap metric); none in backward; none at all
+for a group of one rank.
 """
 
 from __future__ import annotations
