@@ -357,3 +357,61 @@ def check_random_sweep(rank: int, world: int, group, cases: int = 40) -> int:
         assert not xl.grad[..., width:].any(), what + " padding grad"
         done += 1
     return done
+
+
+# -- the student's rest mass where the student is confident (docs/losses.md, "Precision of the tail rest mass") ----
+CONFIDENT_RTOL = 2e-5  # fp32 vs the float64 SPEC reference: per-token loss, and gradient relative to its row max
+
+
+def confident_tail_case(seed: int = 0, n: int = 9, V: int = 301, K: int = 4):
+    """fp32 logits of realistic magnitude (~20-30) whose K teacher ids hold all but 1 - Q of the student's mass,
+    1 - Q spread log-uniformly over [1e-7, 1e-3] (computed in float64 from these fp32 logits); teacher mass P ~ 0.9.
+    One slot of the last row is empty.  Returns (logits fp32 [n, V], ids [n, K], teacher log-probs fp32 [n, K])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(n)])
+    z = torch.randn(n, V, generator=g, dtype=torch.float64)  # background: log-mass ~ log(V) + c
+    top = 25.0 + 0.7 * torch.randn(n, K, generator=g, dtype=torch.float64)
+    target = torch.logspace(-7, -3, n, dtype=torch.float64)  # 1 - Q
+    for r in range(n):
+        lse_top = torch.logsumexp(top[r], 0)
+        lse_bg = torch.logsumexp(z[r], 0)
+        z[r] += lse_top + torch.log(target[r] / (1 - target[r])) - lse_bg  # background mass / top mass = target/(1-t)
+    z.scatter_(1, ids, top)
+    mass = 0.85 + 0.1 * torch.rand(n, 1, generator=g, dtype=torch.float64)  # teacher P in [0.85, 0.95]
+    nu = torch.softmax(torch.randn(n, K, generator=g, dtype=torch.float64), -1) * mass
+    lp = nu.log()
+    lp[-1, 0] = float("-inf")
+    return z.float(), ids, lp.float()
+
+
+def check_confident_tail(rank: int, world: int, group) -> int:
+    """Tail forward/reverse/jsd on confident rows: the vocab-parallel fp32 loss and gradient equal the float64 SPEC
+    reference to ``CONFIDENT_RTOL`` relative (this rank's gradient columns, padded layout)."""
+    from .reference import topk_reference
+
+    x, ids, lp = confident_tail_case()
+    n, V = x.shape
+    Vl = -(-V // world)
+    start, width = rank * Vl, max(0, min(Vl, V - rank * Vl))
+    checks = 0
+    for div, beta in (("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5)):
+        zr = x.double().requires_grad_(True)
+        ref = topk_reference(zr, ids, lp.double(), "tail", div, beta)
+        ref.sum().backward()
+        xl = shard_of(x, rank, world, Vl).requires_grad_(True)
+        got = vocab_parallel_topk_divergence(xl, ids, lp, group=group, vocab_size=V, support="tail", divergence=div,
+                                             beta=beta)
+        got.loss.sum().backward()
+        assert_rel_close(got.loss, ref, f"tp={world} tail/{div} loss")
+        assert_rel_close(xl.grad[:, :width], zr.grad[:, start : start + width], f"tp={world} tail/{div} grad",
+                         scale=zr.grad.abs().amax(-1, keepdim=True))
+        checks += 1
+    return checks
+
+
+def assert_rel_close(got, ref, what, scale=None, rtol=CONFIDENT_RTOL):
+    """|got - ref| <= rtol * scale elementwise (scale: |ref|, or a per-row scale such as the row's largest |grad|)."""
+    ref = ref.detach().double()
+    scale = ref.abs() if scale is None else scale.double()
+    err = ((got.detach().double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert err <= rtol, f"{what}: max relative error {err:.3g} > {rtol:.1g}"

@@ -19,6 +19,7 @@ from opdistill.metrics import MetricSums
 
 from .parallel_op_checks import (
     K,
+    check_confident_tail,
     check_distillation_loss,
     check_dtensor,
     check_ops,
@@ -143,6 +144,7 @@ def ranks2(rank: int, world: int, out_dir: str) -> None:
     n = check_ops(rank, world, group, "tp=2") + check_random_sweep(rank, world, group)
     check_size_one_groups(rank, world)
     check_unequal_widths(rank, world)
+    check_confident_tail(rank, world, group)  # the rest mass where the student is confident, vs float64
     check_dtensor(rank, world)
     check_distillation_loss(rank, world, group)
     check_saved_bytes(rank, world, group, "tp=2")

@@ -95,11 +95,11 @@ def _losses(run_dir, key="distillation/loss"):
     return [(r["step"], r[key], r["train/grad_norm"]) for r in read_metrics(run_dir) if key in r]
 
 
-def _assert_close_rows(got, want, rel=REL):
+def _assert_close_rows(got, want, rel=REL, abs_tol=1e-12):
     assert [s for s, *_ in got] == [s for s, *_ in want]
     for (s, *g), (_, *w) in zip(got, want):
         for a, b in zip(g, w):
-            assert a == pytest.approx(b, rel=rel, abs=1e-12), (s, g, w)
+            assert a == pytest.approx(b, rel=rel, abs=abs_tol), (s, g, w)
 
 
 def _copy_run_cut_at(src: Path, dst: Path, step: int) -> Path:
@@ -219,10 +219,13 @@ def test_tp2_with_two_routed_teachers_equals_world1(runs):
     teacher/<name>/* metric equal the one-process routed run's (fp32, 2 steps). Teacher "a" is the student's own
     folder: its per-token losses at step 1 are 0 in one process and fp32 rounding of the vocab-parallel logsumexp at
     tp 2 (loss_max 2.8e-8 seen; the largest difference of any metric 6e-8, 2 ulp of a 0.27 mass), hence an absolute
-    tolerance of 2e-7 besides the relative 1e-5."""
+    tolerance of 2e-7 besides the relative 1e-5.  The tail rest mass is summed directly (docs/losses.md), so a
+    per-token loss carries the fp32 rounding of lse to first order (~P * 1e-7 |lse|, as truncated does) instead of
+    cancelling it when teacher = student: the step loss at tp 2 differs from one process by up to 4e-8 (seen), hence
+    an absolute 1e-7 on the step losses as well."""
     tmp, _, tokens1 = runs
     assert _tp_tokens(tmp / "out", "tp_mt") == tokens1["mt"]
-    _assert_close_rows(_losses(tmp / "tp_mt"), _losses(tmp / "w1_mt"))
+    _assert_close_rows(_losses(tmp / "tp_mt"), _losses(tmp / "w1_mt"), abs_tol=1e-7)
     _assert_teacher_metrics_close(tmp / "tp_mt", tmp / "w1_mt", lambda k: 2e-7)
 
 
@@ -331,12 +334,14 @@ def _tp_tokens(out: Path, name: str, ranks=(0, 1)) -> dict:
 def test_tp2_samples_and_losses_equal_world1(runs, name, ref):
     """1 x 2 (dp x tp) against one process: on_policy with the top-k tail loss, rl (policy gradient on the sampled
     tokens' log-probs) and the sampled-token k3 loss on an odd vocabulary (uneven shards), in fp32 over 3 steps to
-    1e-5 relative; on_policy in fp64 over 4 steps to 1e-9. Tied embeddings (the tiny models tie them)."""
+    1e-5 relative (the tail loss: 3e-5, its rest mass is summed directly and a per-token loss now carries the fp32
+    rounding of lse to first order, ~1e-7 absolute, docs/losses.md; 1.5e-5 seen on the step-3 gradient norm after
+    two AdamW steps); on_policy in fp64 over 4 steps to 1e-9. Tied embeddings (the tiny models tie them)."""
     tmp, _, tokens1 = runs
     key = "policy/loss" if ref == "rl" else "distillation/loss"
     w1, tp = _losses(tmp / f"w1_{ref}", key)[:3 if name == "tp_on" else None], _losses(tmp / name, key)
     assert len(w1) >= 3 and all(gn > 0 for *_, gn in w1)
-    _assert_close_rows(tp, w1, rel=1e-9 if ref == "on64" else REL)
+    _assert_close_rows(tp, w1, rel=1e-9 if ref == "on64" else 3e-5 if ref == "on" else REL)
     tokens = _tp_tokens(tmp / "out", name)
     assert tokens == {s: p for s, p in tokens1[ref].items() if int(s) <= len(w1)}
     assert [r["step"] for r in read_metrics(tmp / name) if "train/grad_norm" in r] == list(range(1, len(w1) + 1))

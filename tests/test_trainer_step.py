@@ -111,7 +111,9 @@ def test_bf16_autocast_step_runs_with_fp32_losses():
     assert all(math.isfinite(v) for v in m.values())
     assert m["train/micro_batches"] == 1 and m["train/response_tokens"] == int(mask.sum())
     assert m["distillation/loss"] == pytest.approx(objective.item(), rel=1e-5)
-    assert m["distillation/loss_min"] == pytest.approx(per_token[mask].min().item(), rel=1e-5, abs=1e-7)
+    # abs 2e-7: the tail rest mass is summed directly, a per-token loss carries the fp32 rounding of lse to first
+    # order (~1e-7 absolute, docs/losses.md; 1.14e-7 seen on this 2.9e-3 minimum)
+    assert m["distillation/loss_min"] == pytest.approx(per_token[mask].min().item(), rel=1e-5, abs=2e-7)
     assert m["distillation/loss_max"] == pytest.approx(per_token[mask].max().item(), rel=1e-5)
     assert any(not torch.equal(before[n], p) for n, p in student.named_parameters())
     assert all(p.dtype == torch.float32 for p in student.parameters())

@@ -32,13 +32,16 @@ from ..parallel.stages import global_topk, logit_grad, lse_and_gather
 from ._chunks import LinearGrads, chunk_logits, chunk_rows
 
 
-def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False, keep_exp=None):
+def chunk_stages(shard, h, weight, bias, ids, temperature, dtype, student_topk=0, entropy=False, keep_exp=None,
+                 rest_slots=None, rest_out=None):
     """One chunk through the stages: z = h W^T + b in fp32 (before the temperature), the student's top-K ids (None
     unless asked), ``lse_and_gather`` -> (z [c, V_local], top, lse [c], s [c, K], E [c] | None).  ``keep_exp``: z
-    is returned as exp(z / tau - m), ``keep_exp`` [c] = 1 / S (``lse_and_gather``)."""
+    is returned as exp(z / tau - m), ``keep_exp`` [c] = 1 / S (``lse_and_gather``).  ``rest_slots``/``rest_out``:
+    the student's rest log-mass log(1 - Q) summed directly outside T (``lse_and_gather``)."""
     z = chunk_logits(h, weight, bias, 1.0)
     top = global_topk(shard, z, student_topk) if student_topk else None  # top-k of z == top-k of z / tau
-    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy, keep_exp=keep_exp)
+    lse, z_at, ent = lse_and_gather(shard, (z,), ids, temperature, dtype, entropy=entropy, keep_exp=keep_exp,
+                                    rest_slots=rest_slots, rest_out=rest_out)
     return z, top, lse[:, 0], z_at - lse, ent
 
 
@@ -77,9 +80,10 @@ class FusedLogprobs(torch.autograd.Function):
 
 
 def recompute_grads(grads: LinearGrads, shard, ids, lse, g, temperature, chunk_size, g_entropy=None,
-                    entropy=None) -> None:
-    """Sum into ``grads`` the gradients of every chunk from g = dL/ds [N, K] (and dL/dE): each chunk's logits are
-    recomputed (one GEMM) and overwritten in place by dL/dz (``logit_grad``)."""
+                    entropy=None, g_rest=None, log_rest=None, rest_slots=None) -> None:
+    """Sum into ``grads`` the gradients of every chunk from g = dL/ds [N, K] (and dL/dE, and g_rest = dL/d log(1-Q)
+    with log_rest, rest_slots): each chunk's logits are recomputed (one GEMM) and overwritten in place by dL/dz
+    (``logit_grad``)."""
     hidden, weight, bias = grads.inputs
     with torch.no_grad():
         for a in range(0, hidden.shape[0], chunk_size):
@@ -87,7 +91,10 @@ def recompute_grads(grads: LinearGrads, shard, ids, lse, g, temperature, chunk_s
             z = chunk_logits(hidden[a:b], weight, bias, 1.0)  # [c, V_local]
             dz = logit_grad(shard, z, ids[a:b], lse[a:b], g[a:b], temperature,
                             g_entropy=None if g_entropy is None else g_entropy[a:b],
-                            entropy=None if g_entropy is None else entropy[a:b], out=z)
+                            entropy=None if g_entropy is None else entropy[a:b], out=z,
+                            g_rest=None if g_rest is None else g_rest[a:b],
+                            log_rest=None if g_rest is None else log_rest[a:b],
+                            rest_slots=None if g_rest is None else rest_slots[a:b])
             grads.add(slice(a, b), dz)
             del z, dz
 

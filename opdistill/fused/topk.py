@@ -12,6 +12,9 @@ objective o_t (L_t; for ``fused_topk_loss``, w_t clamp(L_t)) and an incoming gra
 
     forward, per chunk:  z, lse, s = log pi(T);  g = d o_t / ds_t  (autograd on [c, K]);
                          dL/dz = (1/tau) (scatter(g) - (sum_k g_k) pi)  in place;
+                         tail: the rest log(1 - Q) = log sum_{j not in T} e^{z_j - m} - log S is one more per-row
+                         sum of the chunk pass; g_r = d o_t / d log(1 - Q) adds
+                         (1/tau) g_r ([j not in T] pi_j / (1 - Q) - pi_j)
                          grad_h[chunk] = dL/dz W,   grad_W += dL/dz^T h,   grad_b += sum_rows dL/dz
     backward:            u is one value c on every live row (a sum or mean of the per-token losses, the weighted
                          objective): the stored gradients times c, no GEMM;  otherwise each chunk is recomputed with
@@ -34,60 +37,75 @@ from .logprobs import check_fused_rows, check_linear_inputs, chunk_stages, recom
 
 class FusedTopKObjective(torch.autograd.Function):
     """(hidden [N, H], weight, bias, ids [N, K]) -> (o [N], s [N, K], top ids [N, k], lse [N]), the last three
-    detached; ``objective(s, a, b)`` is o of rows [a, b) from their s (module docstring).  ``reduced``: the caller
+    detached; ``objective(s, a, b, rest)`` is o of rows [a, b) from their s and (``tail``) their rest log-mass
+    log(1 - Q), summed directly outside T in the chunk pass (else None) (module docstring).  ``reduced``: the caller
     sums o (its incoming gradient is uniform), so the gradients are reduced over the group and cast in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, shard, live, objective, temperature, chunk_size, student_topk, reduced):
+    def forward(ctx, hidden, weight, bias, ids, shard, live, objective, temperature, chunk_size, student_topk, reduced,
+                slots, tail):
         N, cd = hidden.shape[0], compute_dtype(hidden.dtype)
         grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], cd)
         out = torch.empty(N, dtype=cd, device=hidden.device)
         s_all, g_all = torch.empty(ids.shape, dtype=cd, device=hidden.device), torch.zeros_like(ids, dtype=cd)
         lse_all = torch.empty(N, dtype=cd, device=hidden.device)
+        rest_all = torch.empty(N if tail else 0, dtype=cd, device=hidden.device)  # log(1 - Q) [N]
+        g_rest_all = torch.zeros(N if tail else 0, dtype=cd, device=hidden.device)  # d o_t / d log(1 - Q)
         top = torch.empty((N, student_topk), dtype=torch.int64, device=hidden.device)
         for a in range(0, N, chunk_size):
             b = min(a + chunk_size, N)
             scale = torch.empty(b - a, dtype=cd, device=hidden.device)  # pi = z * scale after the stages
             with torch.no_grad():
                 z, top[a:b], lse_all[a:b], s_all[a:b], _ = chunk_stages(shard, hidden[a:b], weight, bias, ids[a:b],
-                                                                        temperature, cd, student_topk, keep_exp=scale)
-            s = s_all[a:b].clone().requires_grad_(any(ctx.needs_input_grad[:3]))
+                                                                        temperature, cd, student_topk, keep_exp=scale,
+                                                                        rest_slots=slots[a:b] if tail else None,
+                                                                        rest_out=rest_all[a:b] if tail else None)
+            need = any(ctx.needs_input_grad[:3])
+            s = s_all[a:b].clone().requires_grad_(need)
+            r = rest_all[a:b].clone().requires_grad_(need) if tail else None
             with torch.enable_grad():
-                o = objective(s, a, b)
-                if s.requires_grad:
-                    (g,) = torch.autograd.grad(o.sum(), s)  # [c, K] d o_t / d s_t; dead rows: none
-                    g_all[a:b] = torch.where(live[a:b, None], g, 0.0)
+                o = objective(s, a, b, r)
+                if s.requires_grad:  # [c, K] d o_t / d s_t, [c] d o_t / d log(1 - Q_t); dead rows: none
+                    gs = torch.autograd.grad(o.sum(), [s, r] if tail else [s], allow_unused=True)
+                    g_all[a:b] = torch.where(live[a:b, None], gs[0], 0.0)
+                    if tail and gs[1] is not None:
+                        g_rest_all[a:b] = torch.where(live[a:b], gs[1], 0.0)
             out[a:b] = o.detach()
             if s.requires_grad:
                 with torch.no_grad():  # dL/dz in place in the chunk buffer [c, V_local]
                     grads.add(slice(a, b), logit_grad(shard, z, ids[a:b], lse_all[a:b], g_all[a:b], temperature,
-                                                      out=z, pi_scale=scale))
+                                                      out=z, pi_scale=scale,
+                                                      g_rest=g_rest_all[a:b] if tail else None,
+                                                      log_rest=rest_all[a:b] if tail else None,
+                                                      rest_slots=slots[a:b] if tail else None))
             del z
         ctx.grads = grads.result(shard) if reduced else grads
-        ctx.save_for_backward(hidden, weight, bias, ids, lse_all, g_all, live)
-        ctx.cfg = (shard, temperature, chunk_size)
-        ctx.mark_non_differentiable(s_all, top, lse_all)
-        return out, s_all, top, lse_all
+        ctx.save_for_backward(hidden, weight, bias, ids, lse_all, g_all, live, rest_all, g_rest_all, slots)
+        ctx.cfg = (shard, temperature, chunk_size, tail)
+        ctx.mark_non_differentiable(s_all, top, lse_all, rest_all)
+        return out, s_all, top, lse_all, rest_all
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_s, _grad_top, _grad_lse):
-        hidden, weight, bias, ids, lse, g, live = ctx.saved_tensors
-        shard, temperature, chunk_size = ctx.cfg
+    def backward(ctx, grad_out, _grad_s, _grad_top, _grad_lse, _grad_rest):
+        hidden, weight, bias, ids, lse, g, live, rest, g_rest, slots = ctx.saved_tensors
+        shard, temperature, chunk_size, tail = ctx.cfg
         grads, ctx.grads = ctx.grads, None  # this Function's own buffers, used once: scaled in place
         u = grad_out[live]
         if grads is not None and (not u.numel() or bool((u == u[0]).all())):
             c = u[0] if u.numel() else grad_out.new_zeros(())
             if isinstance(grads, tuple):
-                return tuple(None if x is None else x.mul_(c.to(x.dtype)) for x in grads) + (None,) * 8
+                return tuple(None if x is None else x.mul_(c.to(x.dtype)) for x in grads) + (None,) * 10
             for x in grads.grads:
                 if x is not None:
                     x.mul_(c.to(x.dtype))
-            return grads.result(shard) + (None,) * 8
+            return grads.result(shard) + (None,) * 10
         # per-token gradients that differ between rows (or a second backward): recompute with g_t u_t
         grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3], lse.dtype)
         u = torch.where(live, grad_out, 0.0).to(g.dtype)
-        recompute_grads(grads, shard, ids, lse, g * u[:, None], temperature, chunk_size)
-        return grads.result(shard) + (None,) * 8
+        recompute_grads(grads, shard, ids, lse, g * u[:, None], temperature, chunk_size,
+                        g_rest=g_rest * u if tail else None, log_rest=rest if tail else None,
+                        rest_slots=slots if tail else None)
+        return grads.result(shard) + (None,) * 10
 
 
 def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size, group, temperature, validate, kw):
@@ -112,16 +130,18 @@ def topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs, chunk_size,
     return shard, lead, h2, teacher_ids.reshape(-1, K).long(), t.to(compute_dtype(hidden.dtype)), live, chunk_size
 
 
-def _run(objective, reduced, hidden, weight, bias, ids, shard, live, lead, chunk_size, temperature, validate):
-    """The Function on checked inputs -> (o [N], s, top ids, lse); refuses non-finite live rows when ``validate``."""
+def _run(objective, reduced, hidden, weight, bias, ids, shard, live, lead, chunk_size, temperature, validate, t, tail):
+    """The Function on checked inputs -> (o [N], s, top ids, rest log-mass [N] (empty unless ``tail``)); refuses
+    non-finite live rows when ``validate``."""
     if not torch.is_grad_enabled():  # evaluation: no gradient work in the forward pass
         hidden, weight = hidden.detach(), weight.detach()
         bias = None if bias is None else bias.detach()
-    o, s, top, lse = FusedTopKObjective.apply(hidden, weight, bias, ids, shard, live, objective, float(temperature),
-                                              int(chunk_size), ids.shape[1], reduced)
+    o, s, top, lse, rest = FusedTopKObjective.apply(hidden, weight, bias, ids, shard, live, objective,
+                                                    float(temperature), int(chunk_size), ids.shape[1], reduced,
+                                                    t > float("-inf"), tail)
     if validate:
         check_fused_rows(lse, live, hidden, lead)
-    return o, s, top
+    return o, s, top, (rest if tail else None)
 
 
 def fused_topk_divergence(
@@ -160,8 +180,9 @@ def fused_topk_divergence(
     kw = dict(support=support, divergence=divergence, beta=beta, log_prob_min_clamp=log_prob_min_clamp)
     shard, lead, h2, ids, t, live, chunk_size = topk_inputs(hidden, weight, bias, teacher_ids, teacher_logprobs,
                                                             chunk_size, group, temperature, validate, kw)
-    loss, s, top = _run(lambda s, a, b: topk_loss_from_logprobs(s, t[a:b], **kw), False, h2, weight, bias, ids, shard,
-                        live, lead, chunk_size, temperature, validate)
+    loss, s, top, _ = _run(lambda s, a, b, r: topk_loss_from_logprobs(s, t[a:b], student_rest=r, **kw), False, h2,
+                           weight, bias, ids, shard, live, lead, chunk_size, temperature, validate, t,
+                           support == "tail")
     return finish_topk(loss, s, t, ids, top, log_prob_min_clamp, lead)
 
 
@@ -204,11 +225,12 @@ def fused_topk_loss(
         raise ValueError(f"loss_max_clamp must be a finite number > 0 or None, got {loss_max_clamp!r}")
     w = torch.where(live, token_weights.reshape(-1).detach().to(t.dtype), 0.0)  # masked rows: no contribution
 
-    def objective(s, a, b):  # per-token contributions of rows [a, b)
-        L = topk_loss_from_logprobs(s, t[a:b], **kw)
+    def objective(s, a, b, r):  # per-token contributions of rows [a, b); r: their log(1 - Q) (tail) or None
+        L = topk_loss_from_logprobs(s, t[a:b], student_rest=r, **kw)
         return (L if loss_max_clamp is None else L.clamp(-loss_max_clamp, loss_max_clamp)) * w[a:b]
 
-    o, s, top = _run(objective, True, h2, weight, bias, ids, shard, live, lead, chunk_size, temperature, validate)
+    o, s, top, rest = _run(objective, True, h2, weight, bias, ids, shard, live, lead, chunk_size, temperature,
+                           validate, t, support == "tail")
     with torch.no_grad():
-        loss = topk_loss_from_logprobs(s, t, **kw)
+        loss = topk_loss_from_logprobs(s, t, student_rest=rest, **kw)
     return o.sum(), finish_topk(loss, s, t, ids, top, log_prob_min_clamp, lead)

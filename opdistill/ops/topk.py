@@ -19,6 +19,10 @@ Masked positions: a row whose K slots are all empty (``DistillationLoss`` sends 
 by zeros before the log-softmax, so a NaN/inf the student holds there reaches neither the loss nor any gradient.
 With ``validate=True`` a NaN/+inf in a live row is refused (``check_finite_rows``, read off the log-sum-exp).
 
+The student's rest mass of tail, log(1 - Q), is summed directly over the vocabulary outside T (``student_rest_at``;
+the sharded stages do the same in their chunk pass), not taken as log(1 - sum_k exp(s_k)): the s_k carry the
+rounding of lse (~1e-7 |lse| absolutely), which makes 1 - Q relatively wrong where the student is confident.
+
 Rest-mass floors (documented in docs/losses.md): the student's rest mass 1 - Q is floored at ``TAIL_MASS_EPS``
 in every tail divergence (its log would otherwise be -inf when the top-k hold all the mass in fp32, and the
 gradient infinite); the teacher's rest mass 1 - P is floored at ``TAIL_MASS_EPS`` in reverse and jsd (it sits in a
@@ -88,13 +92,40 @@ def student_logprobs_at(
     return z.gather(-1, ids.long()) - lse, lse.squeeze(-1)
 
 
+def student_rest_at(logits: torch.Tensor, ids: torch.Tensor, rest_slots: torch.Tensor, temperature: float = 1.0,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
+    """log(1 - Q) [...], Q = sum over the slots of ``rest_slots`` [..., K] (the non-empty ones) of pi(i_k), summed
+    directly over the vocabulary outside T:  log(1 - Q) = logsumexp_{j not in T}(z_j/tau) - logsumexp_j(z_j/tau).
+
+    Unlike log(1 - sum_k exp(s_k)) it keeps its relative precision when Q is close to 1 (the s_k carry the
+    rounding of lse, ~1e-7 |lse| absolutely).  Autograd gives d/dz_j = (1/tau)([j not in T] pi_j/(1 - Q) - pi_j).
+    A row whose vocabulary is all in T gets -inf (no NaN in the backward); ``live`` as ``student_logprobs_at``.
+    """
+    z = logits.to(compute_dtype(logits.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    if live is not None:
+        z = torch.where(live.unsqueeze(-1), z, 0.0)
+    in_t = torch.zeros(z.shape, dtype=torch.int32, device=z.device)
+    in_t.scatter_add_(-1, ids.long(), rest_slots.to(torch.int32))  # ids of T are distinct (validated); count > 0
+    outside = in_t == 0
+    full = ~outside.any(-1)  # everything in T: keep the log finite, the value is -inf below
+    # Both sums relative to the same max m: log R - log S, R = sum_{j not in T} e^{z_j - m}, S = sum_j e^{z_j - m}
+    # (two logs of O(1) numbers; the difference of two logsumexp's would carry ~1e-7 |lse| each).
+    e = torch.exp(z - z.detach().amax(-1, keepdim=True))
+    r = torch.where(outside, e, 0.0).sum(-1)
+    rest = torch.log(torch.where(full, 1.0, r)) - torch.log(e.sum(-1))
+    return torch.where(full, float("-inf"), rest)
+
+
 def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=-1)
 
 
 def topk_loss_from_logprobs(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, support: str,
                             divergence: str, beta: float = 0.5,
-                            log_prob_min_clamp: float | None = None) -> torch.Tensor:
+                            log_prob_min_clamp: float | None = None,
+                            student_rest: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token loss from s_k = log pi(i_k) and l_k = log nu(i_k) ([..., K] each; l = -inf marks an empty slot).
 
     truncated/forward   L = max(0, sum_k nu'_k (l'_k - s'_k)),  primes: clamp_min(log_prob_min_clamp) if set
@@ -102,6 +133,9 @@ def topk_loss_from_logprobs(student_logprobs: torch.Tensor, teacher_logprobs: to
     renormalized/*      the divergence between nu~ = nu/P and pi~ = pi/Q on T
     The divergence over the buckets is the one kernel ``divergence.divergence`` (its endpoint rules: jsd at beta = 0
     is forward KL, at beta = 1 reverse KL).
+    ``student_rest`` [...]: log(1 - Q) computed directly over the vocabulary outside T (``student_rest_at``,
+    ``stages.lse_and_gather(rest_out=...)``), used by tail; None falls back to log(1 - sum_k exp(s_k)), which is
+    only ~1e-7 |lse|-accurate absolutely in fp32 (every back-end passes it).
     """
     s, t = student_logprobs, teacher_logprobs.to(student_logprobs.dtype)
     valid = t > float("-inf")  # [..., K] non-empty slots
@@ -115,8 +149,11 @@ def topk_loss_from_logprobs(student_logprobs: torch.Tensor, teacher_logprobs: to
 
     if support == "tail":
         log_p = _masked_logsumexp(t, valid).clamp_max(0.0)  # P may exceed 1 by rounding (checked <= 1 + tol)
-        log_q = _masked_logsumexp(s, valid).clamp_max(_LOG_ONE_MINUS_EPS)  # student rest >= eps
-        s_rest = log1mexp(log_q)
+        if student_rest is not None:
+            s_rest = student_rest.to(s.dtype).clamp_min(_LOG_TAIL_EPS)  # student rest >= eps
+        else:
+            log_q = _masked_logsumexp(s, valid).clamp_max(_LOG_ONE_MINUS_EPS)  # student rest >= eps
+            s_rest = log1mexp(log_q)
         t_rest = log1mexp(log_p)
         if canonical(divergence, beta) != "forward":
             t_rest = t_rest.clamp_min(_LOG_TAIL_EPS)  # teacher rest sits in a denominator: floor it
@@ -235,7 +272,8 @@ def topk_divergence(
     if validate:
         check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
-    loss = topk_loss_from_logprobs(s, t, **kw)
+    rest = student_rest_at(student_logits, ids, t > float("-inf"), temperature, live) if support == "tail" else None
+    loss = topk_loss_from_logprobs(s, t, student_rest=rest, **kw)
     # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z. K = V: S is every id (no top-k).
     V = student_logits.shape[-1]
     student_topk = None if ids.shape[-1] >= V else torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices

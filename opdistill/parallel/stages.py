@@ -9,6 +9,8 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
     S      = sum_j exp(z_j - m)                    all-reduce SUM of the local sums                          [N, X]
     z_ik   = z at the teacher id i_k               same SUM message: only the owning rank contributes        [N, K]
     T      = sum_j exp(z_j - m) (z_j - m)          same SUM message, only when the entropy is asked          [N]
+    R      = sum_{j not in T} exp(z_j - m)         same SUM message, only when the rest mass is asked (tail) [N]
+             log(1 - Q) = log R - log S, summed directly (never 1 - sum_k pi(i_k)): exact relative precision
     lse    = m + log S,     s_k = z_ik - lse = log pi(i_k),     E = -sum_j pi_j log pi_j = log S - T / S
   identical on every rank.  Ids owned by another rank gather at local index 0 with a zero weight
   (``where(owned, ., 0)``), so a real token at local index 0 is never disturbed.
@@ -16,6 +18,7 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
 ``logit_grad``  (no collective) for any per-token loss that reaches the logits only through s (and E),
   g_k = dL/ds_k, gE = dL/dE:
     dL/dz_j = (1/tau) * (sum_k g_k [i_k = j]  -  (sum_k g_k) pi_j  -  gE pi_j (log pi_j + E)),   pi_j = exp(z_j - lse)
+  and with g_r = dL/d log(1 - Q) (tail):  + (1/tau) g_r ([j not in T] pi_j / (1 - Q) - pi_j)
   g is the same on every rank; pi_j is recomputed chunk-wise from the saved logits (their own dtype) and lse, and
   each rank scatter-adds only the g_k of the ids it owns (duplicates add up, as the single-device gather's backward).
 
@@ -60,9 +63,21 @@ def owned_local_ids(shard: VocabShard, ids: torch.Tensor) -> tuple[torch.Tensor,
     return owned, torch.where(owned, ids - shard.start, 0)
 
 
+def outside_mask(local: torch.Tensor, in_t: torch.Tensor, rows: slice, w: int) -> torch.Tensor:
+    """[n, w] bool: column j of this rank is NOT a teacher id of its row (j not in T), for one row chunk.
+
+    ``local`` [N, K] from ``owned_local_ids``, ``in_t`` [N, K] bool: the slots that are in T here (owned and
+    non-empty).  Built by a scatter-add of counts, so slots of other ranks (local index 0, count 0) never mark the
+    real column 0."""
+    count = torch.zeros((local[rows].shape[0], w), dtype=torch.int32, device=local.device)
+    count.scatter_add_(1, local[rows], in_t[rows].to(torch.int32))
+    return count == 0
+
+
 def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.Tensor | None, tau: float,
                    dtype: torch.dtype, *, live: torch.Tensor | None = None, entropy: bool = False,
-                   keep_exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
+                   keep_exp: torch.Tensor | None = None, rest_slots: torch.Tensor | None = None,
+                   rest_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                   torch.Tensor | None]:
     """(lse [N, X], z/tau of xs[0] at ids [N, K] (None without ids), entropy of xs[0] [N] (None unless asked)).
 
@@ -70,6 +85,10 @@ def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.T
     Two collectives in all: an all-reduce MAX of [N, X] and an all-reduce SUM of [N, X + K (+ 1)].
     ``keep_exp`` [N] (the fused chunk buffer: xs[0] in the compute dtype, no live, no entropy): xs[0] is overwritten
     in place by exp(z - m) and keep_exp receives 1 / S, so that pi = xs[0] * keep_exp (``logit_grad``'s pi_scale).
+    ``rest_slots`` [N, K] bool (the slots of ids that are in T: the non-empty ones) with ``rest_out`` [N]: rest_out
+    receives log(1 - Q) = log R - log S of xs[0], R = sum_{j not in T} exp(z_j - m) summed directly over the
+    columns outside T (one more column of the same SUM message, no extra collective), so 1 - Q keeps its relative
+    precision however close Q is to 1 (1 - sum_k exp(s_k) would only be known to ~1e-7 |lse| absolutely).
     """
     n, w, nx = xs[0].shape[0], shard.width, len(xs)
     k = 0 if ids is None else ids.shape[1]
@@ -81,9 +100,13 @@ def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.T
             m[rows, i] = block(x, rows, w, tau, dtype, live).amax(-1)
     m = all_reduce_max_checked(m, shard)  # collective 1: the global max (and the layout check)
     m = torch.where(torch.isfinite(m), m, 0.0)  # rows of -inf only (or NaN): keep exp() finite, as torch.logsumexp
-    buf = torch.zeros((n, nx + k + int(entropy)), dtype=dtype, device=dev)  # [N, X + K (+1)]: S, z at ids, T
+    rest = rest_out is not None
+    # [N, X + K (+1) (+1)]: S, z at ids, (entropy T), (rest R)
+    buf = torch.zeros((n, nx + k + int(entropy) + int(rest)), dtype=dtype, device=dev)
+    ent_col = nx + k
     if k and w > 0:
         owned, local = owned_local_ids(shard, ids)
+        in_t = owned & rest_slots if rest else None
         picked = scaled(xs[0].gather(1, local), tau, dtype, live)
         buf[:, nx : nx + k] = torch.where(owned, picked, 0.0)
     for rows in chunks:
@@ -94,28 +117,37 @@ def lse_and_gather(shard: VocabShard, xs: tuple[torch.Tensor, ...], ids: torch.T
             else:
                 d = block(x, rows, w, tau, dtype, live) - m[rows, i : i + 1]
             if not (entropy and i == 0):
-                buf[rows, i] = d.exp_().sum(-1)
-                continue
-            e = torch.exp(d)
-            buf[rows, i] = e.sum(-1)
-            buf[rows, -1] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
+                e = d.exp_()
+                buf[rows, i] = e.sum(-1)
+            else:
+                e = torch.exp(d)
+                buf[rows, i] = e.sum(-1)
+                buf[rows, ent_col] = torch.where(e > 0, e * d, 0.0).sum(-1)  # exp(-inf) * -inf would be NaN
+            if rest and i == 0:  # R = sum_{j not in T} exp(z_j - m): a masked sum, never S - sum_T
+                out_t = outside_mask(local, in_t, rows, w) if k else torch.ones_like(e, dtype=torch.bool)
+                buf[rows, -1] = torch.where(out_t, e, 0.0).sum(-1)
     all_reduce_(buf, dist.ReduceOp.SUM, shard)  # collective 2: sums, owned logits and entropy terms, one message
     lse = m + torch.log(buf[:, :nx])
     if keep_exp is not None:
         torch.reciprocal(buf[:, 0], out=keep_exp)
-    ent = torch.log(buf[:, 0]) - buf[:, -1] / buf[:, 0] if entropy else None
+    if rest:
+        rest_out.copy_(torch.log(buf[:, -1]) - torch.log(buf[:, 0]))  # log(1 - Q) = log R - log S (-inf if R = 0)
+    ent = torch.log(buf[:, 0]) - buf[:, ent_col] / buf[:, 0] if entropy else None
     return lse, (buf[:, nx : nx + k] if ids is not None else None), ent
 
 
 def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, tau: float, *,
                live: torch.Tensor | None = None, g_entropy: torch.Tensor | None = None,
                entropy: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               pi_scale: torch.Tensor | None = None) -> torch.Tensor:
+               pi_scale: torch.Tensor | None = None, g_rest: torch.Tensor | None = None,
+               log_rest: torch.Tensor | None = None, rest_slots: torch.Tensor | None = None) -> torch.Tensor:
     """dL/dx [N, Vl] from g = dL/ds [N, K] (and gE = dL/dE [N] with the entropy E [N]); see the module docstring.
 
     ``lse`` [N] (its dtype is the compute dtype).  ``out``: where to write (default a new tensor in x's dtype);
     ``out=x`` overwrites the logits in place, one row chunk after it was read (the fused path's chunk buffer);
     ``pi_scale`` [N] with ``out=x``: x holds exp(z - m) from ``lse_and_gather(keep_exp=pi_scale)``, pi = x * pi_scale.
+    ``g_rest`` [N] = dL/d log(1 - Q) with ``log_rest`` [N] and ``rest_slots`` [N, K] (``lse_and_gather``'s rest):
+    d log(1 - Q)/dz_j = (1/tau)([j not in T] pi_j / (1 - Q) - pi_j) adds to the rule above.
     Padding columns get 0.  No collective.
     """
     dtype = lse.dtype
@@ -130,20 +162,31 @@ def logit_grad(shard: VocabShard, x: torch.Tensor, ids: torch.Tensor, lse: torch
     owned, local = owned_local_ids(shard, ids)
     g_owned = torch.where(owned, g, 0.0).to(dtype)  # [N, K] other ranks' ids add 0 at local index 0
     g_sum = g.sum(-1, keepdim=True).to(dtype)  # [N, 1]
+    if g_rest is not None:
+        g_rest = g_rest.to(dtype) if live is None else torch.where(live, g_rest, 0.0).to(dtype)
+        # dL/dz_j = (1/tau)(sum_k g_k [i_k = j] - (sum_k g_k + g_r) pi_j + [j not in T] g_r pi_j / (1 - Q))
+        g_sum = g_sum + g_rest[:, None]
+        w_rest = torch.where(g_rest == 0, 0.0, g_rest * torch.exp(-log_rest.to(dtype)))[:, None]  # g_r / (1 - Q)
+        in_t = owned & rest_slots
     in_place = out is x and x.dtype == dtype and live is None and g_entropy is None  # the fused chunk buffer
     for rows in row_chunks(x.shape[0], w):
+        # coef_j: the factor of pi_j, -(sum g) [n, 1], or with the rest term [n, w]: -(sum g + g_r) + [j not in T] w_r
+        coef = -g_sum[rows]
+        if g_rest is not None:
+            coef = torch.where(outside_mask(local, in_t, rows, w), coef + w_rest[rows], coef)
         if in_place and pi_scale is not None:  # one pass: pi = exp(z - m) / S, already in the buffer
-            grad = out[rows, :w].mul_(-g_sum[rows] * pi_scale[rows, None])
+            grad = out[rows, :w]
+            grad.mul_(coef * pi_scale[rows, None]) if g_rest is None else grad.mul_(pi_scale[rows, None]).mul_(coef)
         elif in_place:  # the same arithmetic, in the buffer: no [n, w] temporary
             grad = out[rows, :w]
             if tau != 1.0:
                 grad.div_(tau)
-            grad.sub_(lse[rows, None]).exp_().mul_(-g_sum[rows])
+            grad.sub_(lse[rows, None]).exp_().mul_(coef)
         elif g_entropy is None:
-            grad = (-g_sum[rows]) * torch.exp(block(x, rows, w, tau, dtype, live) - lse[rows, None])
-        else:  # -(sum g) pi - gE pi (log pi + E)
+            grad = coef * torch.exp(block(x, rows, w, tau, dtype, live) - lse[rows, None])
+        else:  # coef pi - gE pi (log pi + E)
             logp = block(x, rows, w, tau, dtype, live) - lse[rows, None]  # [n, w]
-            grad = torch.exp(logp) * (-g_sum[rows] - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
+            grad = torch.exp(logp) * (coef - g_entropy[rows, None].to(dtype) * (logp + entropy[rows, None]))
         grad.scatter_add_(1, local[rows], g_owned[rows])  # duplicates add up, as in gather's backward
         if tau != 1.0:
             grad.div_(tau)

@@ -4,7 +4,8 @@ Same arguments, same ``TopKResult``, same numbers (up to the summation order of 
 math is the single-device stages, unchanged: ``topk_loss_from_logprobs`` and ``finish_topk``; only s_k = log pi(i_k)
 (``stages.lse_and_gather``), its logit gradient (``stages.logit_grad``) and the student's top-K
 (``stages.global_topk``) know about the shards.  Collectives per call: all-reduce MAX [N + 2], all-reduce SUM
-[N, 1 + K], all_gather [N, 2K] (the overlap metric); none in backward; none at all for a group of one rank.
+[N, 1 + K (+ 1 for tail: the rest mass)], all_gather [N, 2K] (the overlap metric); none in backward; none at all
+for a group of one rank.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ class VocabParallelTopKLoss(torch.autograd.Function):
     Forward (x = this rank's logits [N, Vl], ids/l = teacher top-k [N, K], live [N] = rows with a non-empty slot):
         lse, z_ik   = all-reduced log-sum-exp and gathered logits (``stages.lse_and_gather``)
         s_k         = z_ik - lse                                    log pi(i_k), [N, K], same on every rank
-        L           = topk_loss_from_logprobs(s, l; support, divergence, beta, clamp)          [N]
+        log(1-Q)    = log sum_{j not in T} exp(z_j - m) - log S   (tail only: one more column of the SUM message)
+        L           = topk_loss_from_logprobs(s, l; support, divergence, beta, clamp; log(1-Q))          [N]
     Backward (dL_total/dL = grad [N]):
         g_k         = grad * dL/ds_k          autograd through the small [N, K] function ``topk_loss_from_logprobs``
         dL/dx_j     = (1/tau)(sum_k g_k [i_k = j] - (sum_k g_k) pi_j)   ``stages.logit_grad``, this rank's columns
+                      + (1/tau) g_r ([j not in T] pi_j / (1 - Q) - pi_j)   (tail: g_r = dL/d log(1-Q))
     For truncated forward without clamp, g_k = -nu_k on active tokens, so dL/dx_j = (1/tau)(P pi_j - nu_j [j in T])
     (SPEC 5's m_A pi_j - nu_j 1[j in A]).  Saved: x (its own dtype, not copied), lse [N], ids, s, l [N, K], live [N];
     no [N, Vl] fp32 tensor.  Returns (L, s, lse) with s and lse non-differentiable (diagnostics, validation).
@@ -37,23 +40,32 @@ class VocabParallelTopKLoss(torch.autograd.Function):
         dtype = compute_dtype(x.dtype)
         t = t.to(dtype)
         live = (t > float("-inf")).any(-1)  # [N] masked rows hold only empty slots
-        lse, z_at, _ = lse_and_gather(shard, (x,), ids, tau, dtype, live=live)
+        tail = loss_kwargs["support"] == "tail"
+        rest = torch.empty(x.shape[0], dtype=dtype, device=x.device) if tail else None  # log(1 - Q), direct
+        slots = t > float("-inf")  # [N, K] the slots in T
+        lse, z_at, _ = lse_and_gather(shard, (x,), ids, tau, dtype, live=live, rest_slots=slots, rest_out=rest)
         lse = lse[:, 0]
         s = z_at - lse[:, None]  # [N, K]
-        loss = topk_loss_from_logprobs(s, t, **loss_kwargs)  # [N]
-        ctx.save_for_backward(x, ids, lse, s, t, live)
+        loss = topk_loss_from_logprobs(s, t, student_rest=rest, **loss_kwargs)  # [N]
+        ctx.save_for_backward(x, ids, lse, s, t, live, rest)
         ctx.shard, ctx.tau, ctx.loss_kwargs = shard, tau, loss_kwargs
         ctx.mark_non_differentiable(s, lse)
         return loss, s, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_s, _grad_lse):
-        x, ids, lse, s, t, live = ctx.saved_tensors
+        x, ids, lse, s, t, live, rest = ctx.saved_tensors
         with torch.enable_grad():
             s_req = s.detach().requires_grad_(True)
-            loss = topk_loss_from_logprobs(s_req, t, **ctx.loss_kwargs)
-            (g,) = torch.autograd.grad(loss, s_req, grad_loss.to(loss.dtype))  # [N, K] g_k = grad * dL/ds_k
-        return logit_grad(ctx.shard, x, ids, lse, g, ctx.tau, live=live), None, None, None, None, None
+            r_req = None if rest is None else rest.detach().requires_grad_(True)
+            loss = topk_loss_from_logprobs(s_req, t, student_rest=r_req, **ctx.loss_kwargs)
+            # g_k = grad * dL/ds_k [N, K];  g_r = grad * dL/d log(1 - Q) [N] (tail)
+            grads = torch.autograd.grad(loss, [s_req] + ([r_req] if rest is not None else []),
+                                        grad_loss.to(loss.dtype))
+        g, g_rest = grads[0], (grads[1] if rest is not None else None)
+        dx = logit_grad(ctx.shard, x, ids, lse, g, ctx.tau, live=live, g_rest=g_rest, log_rest=rest,
+                        rest_slots=t > float("-inf"))
+        return dx, None, None, None, None, None
 
 
 def vocab_parallel_topk_divergence(
