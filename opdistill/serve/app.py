@@ -51,6 +51,7 @@ from opdistill.engines.remote import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, enc
                                       parse_accept, scored_positions)
 from opdistill.engines.vllm import INSTALL_HINT, VllmEngine, vllm_available
 from opdistill.errors import UserError
+from opdistill.models import resolve_model_path
 from opdistill.fused import backbone_of, read_lm_head
 from opdistill.teacher import score_teacher, teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
 
@@ -426,7 +427,6 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
     import uvicorn
 
     from opdistill.models import load_model, load_tokenizer
-    from opdistill.train.loop import resolve_model_path
 
     token = None
     if token_file is not None:

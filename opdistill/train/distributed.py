@@ -247,7 +247,7 @@ def init_distributed(cfg) -> DistContext:
     return ctx
 
 
-def _decoder_layers(model) -> list:
+def decoder_layers(model) -> list:
     """The transformer blocks of a transformers causal LM (``model.model.layers`` and the like), else []."""
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
         node = model
@@ -276,7 +276,7 @@ def wrap_student(ctx: DistContext, student):
         from opdistill.train.tensor_parallel import shard_student
 
         shard_student(student, ctx.tp)
-    for layer in _decoder_layers(student):
+    for layer in decoder_layers(student):
         fully_shard(layer, mesh=ctx.mesh)
     fully_shard(student, mesh=ctx.mesh)
     return student

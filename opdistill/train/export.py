@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from opdistill.errors import ConfigError
+from opdistill.models import resolve_model_path
 from opdistill.train.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.config import load_config
 from opdistill.train.lora import apply_lora, merged_model
@@ -24,7 +25,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: s
     """Write RUN_DIR's student at ``checkpoint`` (``latest``: the newest intact one; or a checkpoint folder) to
     ``out`` as a plain transformers folder; return its path."""
     from opdistill.models import load_model, load_tokenizer, truncate_layers
-    from opdistill.train.loop import resolve_model_path  # the loop imports this package: resolve at call time
 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():

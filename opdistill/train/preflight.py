@@ -13,6 +13,7 @@ import torch
 from opdistill.data import DatasetTask, PromptSource, Task
 from opdistill.data.prompts import warn_unknown_chars
 from opdistill.errors import ConfigError, ModelError
+from opdistill.models import resolve_model_path
 from opdistill.train.config import TrainerConfig
 
 __all__ = ["check_model_folders", "check_finite_weights", "check_finite_model", "check_against_models",
@@ -23,7 +24,6 @@ def check_model_folders(cfg: TrainerConfig) -> None:
     """Before loading: each of ``model.student`` / ``model.teacher`` names a model folder (or a builtin, or a hub
     id); a ConfigError / ModelError names the key otherwise (``model.student: no such folder '...'``)."""
     from opdistill.models import model_folder
-    from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     for key, name in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
         if name and not (key == "model.teacher" and name == "self"):  # self: the LoRA student's base

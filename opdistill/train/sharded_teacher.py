@@ -29,7 +29,7 @@ import torch.distributed as dist
 from opdistill.batch import shift_for_next_token
 from opdistill.fused import backbone_of
 from opdistill.teacher import TeacherScores, score_teacher
-from opdistill.train.distributed import _decoder_layers
+from opdistill.train.distributed import decoder_layers
 from opdistill import TeacherTopK
 from opdistill.errors import ConfigError
 
@@ -67,7 +67,7 @@ class ShardedTeacher:
         self.module, self.group, self.row_chunk = teacher, group, row_chunk
         self.config = teacher.config
         teacher.requires_grad_(False).eval()
-        for layer in _decoder_layers(teacher):
+        for layer in decoder_layers(teacher):
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         self._root = _Scorer(teacher)
         # reshard_after_forward given explicitly: FSDP2's default keeps the root's weights gathered after forward

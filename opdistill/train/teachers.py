@@ -39,6 +39,7 @@ import torch
 from opdistill import TeacherTopK
 from opdistill.engines.remote import RemoteTeacher
 from opdistill.errors import ConfigError, DataError, IncompatibleModelsError
+from opdistill.models import resolve_model_path
 from opdistill.metrics import MetricSums
 from opdistill.teacher import TeacherScores
 from opdistill.train.placement import scores_to
@@ -83,7 +84,6 @@ def _load_named(cfg, spec, key: str, tok, student):
     with the student, finite weights), errors naming ``key``."""
     from opdistill.models import check_compatible, load_model, load_tokenizer, model_folder
     from opdistill.train.preflight import check_finite_model
-    from opdistill.train.loop import resolve_model_path  # the loop imports this module: resolve at call time
 
     mc = cfg.model
     try:
