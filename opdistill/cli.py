@@ -78,7 +78,8 @@ def _cmd_eval(args):
     task = build_task(cfg)
     check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
-    metrics = run_eval(cfg, tok, student, teacher, task, held_out)
+    metrics = run_eval(cfg, tok, student, teacher, task, held_out,
+                       values_path=Path(args.values) if args.values else None)
     report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
               "num_samples": cfg.eval.num_samples, "bootstrap_resamples": cfg.eval.bootstrap_resamples,
               "level": 0.95, "metrics": nest_intervals(metrics)}
@@ -91,7 +92,7 @@ def _cmd_eval(args):
 def _cmd_compare(args):
     from opdistill.train.compare import compare
 
-    res = compare(args.run_dirs, out=args.out, metrics=args.metric or None)
+    res = compare(args.run_dirs, out=args.out, metrics=args.metric or None, baseline=args.baseline)
     print(res["table"])
     print(f"\nfigure: {res['png']}")
 
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one "
                         "(default: 'latest' with RUN_DIR when it has checkpoints, else the configured student)")
     e.add_argument("--out", default=None, help="also write the JSON report to this file")
+    e.add_argument("--values", default=None,
+                   help="also write the per-problem values (JSON) to this file, for paired comparisons")
     e.add_argument("overrides", nargs="*", metavar="[RUN_DIR] overrides",
                    help="a run directory (without --config), then dotted.key=value overrides")
     e.set_defaults(fn=_cmd_eval)
@@ -235,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "evaluation curves vs step and vs training time with interval bands.")
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     c.add_argument("--out", default=None, help="PNG path (default FIRST_RUN_DIR/compare.png)")
+    c.add_argument("--baseline", default=None,
+                   help="per-problem values (opdistill eval --values) of the start the runs share: the paired "
+                        "change is measured from it (default: each run's first evaluation)")
     c.add_argument("--metric", action="append", default=None,
                    help="metric to show (repeatable; default the eval accuracy and teacher-KL metrics present)")
     c.set_defaults(fn=_cmd_compare)

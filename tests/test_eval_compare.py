@@ -120,6 +120,63 @@ def test_compare_groups_seeds_and_draws_curves_with_bands(runs, tmp_path, capsys
         assert len(ax.collections) == 3  # an interval band per run
 
 
+def test_runs_keep_per_problem_values_and_compare_pairs_them(runs, tmp_path, capsys):
+    from opdistill.train.stats import paired_change
+
+    for d in runs[:2]:  # one file per evaluation, equal to the logged metrics' sums
+        assert sorted(p.name for p in (d / "eval").iterdir()) == [f"step_00000{s}.json" for s in (0, 1, 2)]
+        last = json.loads((d / "eval" / "step_000002.json").read_text())
+        row = [r for r in read_metrics(d) if "eval/teacher_kl" in r][-1]
+        assert sum(last["k1_sum"]) / sum(last["tokens"]) == pytest.approx(row["eval/teacher_kl"], rel=1e-12)
+        assert len(last["problems"]) == 4
+    assert main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "c.png"),
+                 "--metric", "eval/teacher_kl"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| base | 2 |"))
+    before, after = [], []
+    for d in runs[:2]:
+        first, last = (json.loads((d / "eval" / f"step_00000{s}.json").read_text()) for s in (0, 2))
+        before.append((first["k1_sum"], first["tokens"]))
+        after.append((last["k1_sum"], last["tokens"]))
+    point = sum(sum(a[0]) / sum(a[1]) / (sum(b[0]) / sum(b[1])) for a, b in zip(after, before)) / 2 - 1
+    iv = paired_change(before, after)
+    assert f"{point:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}] (step 0->2)" in line
+
+
+def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys):
+    base = runs[0] / "eval" / "step_000000.json"
+    assert main(["compare", str(runs[0]), "--out", str(tmp_path / "a.png"), "--metric", "eval/teacher_kl"]) == 0
+    own = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| base | 1 |"))
+    assert main(["compare", str(runs[0]), "--out", str(tmp_path / "b.png"), "--metric", "eval/teacher_kl",
+                 "--baseline", str(base)]) == 0
+    text = capsys.readouterr().out
+    assert "Relative change from the baseline to the last evaluation" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| base | 1 |"))
+    assert line == own.replace("(step 0->2)", "(baseline->2)")
+    # a run that skips the step-0 evaluation keeps only its later values; --baseline pairs them with the start
+    cfg = tiny_config_dict(tmp_path, steps=1, eval={"every": 1, "num_prompts": 4, "batch_size": 4, "at_start": False,
+                                                    "bootstrap_resamples": 0}, checkpoint={"every": 0})
+    cfg["run_dir"] = str(tmp_path / "late")
+    run_training(load_config(base=cfg), quiet=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "late") if "eval/teacher_kl" in r] == [1]
+    assert [p.name for p in (tmp_path / "late" / "eval").iterdir()] == ["step_000001.json"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["compare", str(tmp_path / "late"), "--baseline", str(bad), "--out", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"opdistill compare: error: --baseline {bad}: unreadable per-problem values ({bad}: expected an object of "
+        f"per-problem lists with a 'problems' list)")
+
+
+def test_eval_writes_per_problem_values(runs, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    assert main(["eval", str(runs[0]), "eval.bootstrap_resamples=0", "--values", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    vals = json.loads(out.read_text())
+    assert len(vals["problems"]) == 4
+    assert sum(vals["k1_sum"]) / sum(vals["tokens"]) == pytest.approx(report["metrics"]["eval/teacher_kl"]["value"],
+                                                                      rel=1e-12)
+
+
 def test_compare_refuses_a_folder_without_metrics(tmp_path, capsys):
     assert main(["compare", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from opdistill.train.evaluate import METRICS, EvalValues, nest_intervals, summarize
-from opdistill.train.stats import ratio_interval, ratio_intervals
+from opdistill.train.evaluate import METRICS, EvalValues, nest_intervals, summarize, values_from_json, values_to_json
+from opdistill.train.stats import paired_change, ratio_interval, ratio_intervals
 
 
 def _quantile(sorted_vals, q):
@@ -123,3 +123,80 @@ def test_bad_inputs():
              EvalValues(problems=torch.ones(1, dtype=torch.float64))]
     with pytest.raises(ValueError, match=r"^EvalValues.cat: greedy_correct is measured in some parts only$"):
         EvalValues.cat(parts)
+
+
+def _paired_reference(before, after, resamples, seed, level=0.95):
+    """paired_change's documented procedure, written independently with explicit index draws and loops."""
+    n = len(before[0][0])
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+    def change(rows):
+        per_seed = []
+        for (n0, d0), (n1, d1) in zip(before, after):
+            r0 = sum(n0[i] for i in rows) / sum(d0[i] for i in rows)
+            r1 = sum(n1[i] for i in rows) / sum(d1[i] for i in rows)
+            per_seed.append(r1 / r0)
+        return sum(per_seed) / len(per_seed) - 1
+
+    vals = sorted(change(idx[b]) for b in range(resamples))
+    return change(range(n)), _quantile(vals, (1 - level) / 2), _quantile(vals, (1 + level) / 2)
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_paired_change_matches_an_independent_reference(seeds):
+    rng = np.random.default_rng(5)
+    n = 23
+    before, after = [], []
+    for _ in range(seeds):
+        tokens = rng.integers(20, 90, size=n).astype(float)
+        kl = rng.exponential(size=n) * tokens
+        before.append((kl.tolist(), tokens.tolist()))
+        tokens2 = rng.integers(20, 90, size=n).astype(float)
+        after.append(((kl * rng.uniform(0.4, 1.1, size=n)).tolist(), tokens2.tolist()))
+    iv = paired_change(before, after, resamples=300, seed=3)
+    ref = _paired_reference(before, after, 300, 3)
+    assert (iv.value, iv.lo, iv.hi) == pytest.approx(ref, rel=1e-12)
+
+
+def test_paired_change_exact_cases_and_pairing():
+    rng = np.random.default_rng(0)
+    n = 40
+    tokens = rng.integers(10, 100, size=n).astype(float)
+    difficulty = rng.lognormal(sigma=1.5, size=n) * tokens  # problems differ a lot
+    same = paired_change([(difficulty, tokens)], [(difficulty, tokens)])
+    assert (same.value, same.lo, same.hi) == (0.0, 0.0, 0.0)
+    cut = paired_change([(difficulty, tokens)], [(0.7 * difficulty, tokens)])  # 30% lower on every problem
+    assert (cut.value, cut.lo, cut.hi) == pytest.approx((-0.3, -0.3, -0.3), abs=1e-12)
+    # with noise on top, the paired interval is far narrower than the two unpaired intervals would suggest
+    noisy = 0.7 * difficulty * rng.uniform(0.9, 1.1, size=n)
+    iv = paired_change([(difficulty, tokens)], [(noisy, tokens)])
+    a, b = ratio_interval(difficulty, tokens), ratio_interval(noisy, tokens)
+    assert iv.lo < iv.value < iv.hi < 0
+    assert iv.hi - iv.lo < 0.25 * ((a.hi - a.lo) / a.value + (b.hi - b.lo) / b.value)
+
+
+def test_paired_change_bad_inputs():
+    one = (np.ones(3), np.ones(3))
+    with pytest.raises(ValueError, match=r"^before and after: expected one \(num, den\) per seed for each, the same "
+                                         r"number of seeds, got 1 and 2$"):
+        paired_change([one], [one, one])
+    with pytest.raises(ValueError, match=r"^before and after: every evaluation needs one value per problem of the "
+                                         r"same problems, got lengths \[3, 4\]$"):
+        paired_change([one], [(np.ones(4), np.ones(4))])
+
+
+def test_values_json_round_trip_and_refusals():
+    vals = EvalValues(problems=torch.ones(3, dtype=torch.float64), tokens=torch.tensor([4.0, 5.0, 6.0], dtype=torch.float64),
+                      k1_sum=torch.tensor([0.5, -0.25, 1.0], dtype=torch.float64))
+    data = values_to_json(vals)
+    assert data == {"problems": [1.0, 1.0, 1.0], "tokens": [4.0, 5.0, 6.0], "k1_sum": [0.5, -0.25, 1.0]}
+    back = values_from_json(data)
+    assert back.k1_sum.tolist() == [0.5, -0.25, 1.0] and back.greedy_correct is None
+    with pytest.raises(ValueError, match=r"^f.json: expected an object of per-problem lists with a 'problems' list$"):
+        values_from_json({"tokens": [1.0]}, "f.json")
+    with pytest.raises(ValueError, match=r"^f.json: unknown field 'kl' \(expected some of \["):
+        values_from_json({"problems": [1.0], "kl": [1.0]}, "f.json")
+    with pytest.raises(ValueError, match=r"^f.json: field 'tokens' must be a list of finite numbers$"):
+        values_from_json({"problems": [1.0], "tokens": [float("nan")]}, "f.json")
+    with pytest.raises(ValueError, match=r"^f.json: every field needs one value per problem, got lengths \[1, 2\]$"):
+        values_from_json({"problems": [1.0], "tokens": [1.0, 2.0]}, "f.json")

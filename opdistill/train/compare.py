@@ -7,9 +7,15 @@ estimates over the seeds in brackets, since the per-problem values behind a mean
 figure draws each seed thin with its interval band and the group's mean bold. Everything is read from metrics.jsonl
 (``read_metrics``): evaluation rows are those holding the metric; the training time of an evaluation is the
 ``time/train_total_s`` logged at its step (0 at step 0).
+
+When the runs kept their per-problem evaluation values (``RUN_DIR/eval/step_NNNNNN.json``, written by the trainer at
+every evaluation), a second table gives each group's change from its first evaluation to its last, paired over
+problems and averaged over its seeds (:func:`opdistill.train.stats.paired_change`): e.g. ``-0.31 [-0.38, -0.24]``
+is a 31% lower metric whose 95% interval excludes 0.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,10 +24,13 @@ from pathlib import Path
 import yaml
 
 from opdistill.errors import UserError
+from opdistill.train.evaluate import METRICS, values_from_json
 from opdistill.train.logger import read_metrics
 from opdistill.train.rundir import flatten_config
+from opdistill.train.stats import paired_change
 
-__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "plot_groups", "compare"]
+__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "change_table", "plot_groups",
+           "compare"]
 
 DEFAULT_METRICS = ("eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/teacher_kl_k3",
                    "eval/topk_reverse_kl")
@@ -59,6 +68,19 @@ class Run:
     def final(self, metric: str) -> dict | None:
         c = self.curve(metric)
         return c[-1] if c else None
+
+    def value_steps(self) -> list[int]:
+        """The steps whose per-problem evaluation values the run kept (RUN_DIR/eval/step_NNNNNN.json), in order."""
+        folder = self.path / "eval"
+        steps = [int(m.group(1)) for p in folder.glob("step_*.json") if (m := re.fullmatch(r"step_(\d+)\.json", p.name))]
+        return sorted(steps)
+
+    def values(self, step: int):
+        path = self.path / "eval" / f"step_{step:06d}.json"
+        try:
+            return values_from_json(json.loads(path.read_text()), str(path))
+        except (OSError, json.JSONDecodeError, ValueError) as e:
+            raise CompareError(f"{path}: unreadable per-problem values ({e})") from None
 
 
 @dataclass
@@ -153,6 +175,53 @@ def format_table(groups: list[Group], metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> str:
+    num, den = METRICS[metric]
+    before, after, spans = [], [], set()
+    for r in group.runs:
+        steps = r.value_steps()
+        if len(steps) < (1 if baseline is not None else 2):
+            return "n/a"
+        first = baseline if baseline is not None else r.values(steps[0])
+        last = r.values(steps[-1])
+        if first.num_problems != last.num_problems or any(
+                getattr(v, f) is None for v in (first, last) for f in (num, den)):
+            return "n/a"  # not the same problems (or the metric not measured): nothing to pair
+        before.append((getattr(first, num).numpy(), getattr(first, den).numpy()))
+        after.append((getattr(last, num).numpy(), getattr(last, den).numpy()))
+        spans.add(("baseline" if baseline is not None else f"step {steps[0]}", steps[-1]))
+    iv = paired_change(before, after, resamples=resamples)
+    span = ""
+    if len(spans) == 1:  # every seed spans the same steps: name them
+        start, end = spans.pop()
+        span = f" ({start}->{end})"
+    return f"{iv.value:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]{span}"
+
+
+def change_table(groups: list[Group], metrics: list[str], *, baseline=None, resamples: int = 1000) -> str | None:
+    """Markdown: per group and metric, the relative change from the first evaluation that kept per-problem values
+    (or from ``baseline``, an :class:`EvalValues` of the same problems, e.g. the untrained student's) to the last,
+    paired over problems, mean over the group's seeds [95% interval]; None when no run kept them."""
+    metrics = [m for m in metrics if m in METRICS]
+    need = 1 if baseline is not None else 2
+    if not metrics or not any(len(r.value_steps()) >= need for g in groups for r in g.runs):
+        return None
+    lines = ["| run | seeds | " + " | ".join(f"{m} change" for m in metrics) + " |", "|" + "---|" * (2 + len(metrics))]
+    for g in groups:
+        cells = [_change_cell(g, m, resamples, baseline) for m in metrics]
+        lines.append(f"| {g.label} | {len(g.runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_baseline(path: str | Path):
+    """Per-problem values written by ``opdistill eval --values`` (or a run's ``eval/step_NNNNNN.json``)."""
+    path = Path(path)
+    try:
+        return values_from_json(json.loads(path.read_text()), str(path))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise CompareError(f"--baseline {path}: unreadable per-problem values ({e})") from None
+
+
 def _mean_curve(runs: list[Run], metric: str) -> list[tuple[int, float, float]]:
     """(step, mean time, mean value) at the steps every run evaluated."""
     curves = [{p["step"]: p for p in r.curve(metric)} for r in runs]
@@ -215,7 +284,8 @@ def plot_groups(groups: list[Group], metrics: list[str], out: str | Path, *, tit
     return out
 
 
-def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str | None = None) -> dict:
+def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str | None = None,
+            baseline: str | Path | None = None) -> dict:
     """Table (markdown) and PNG of the runs; returns {"table", "png", "groups": {label: [run dirs]}}."""
     if not run_dirs:
         raise CompareError("compare: expected at least one RUN_DIR")
@@ -223,5 +293,10 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     metrics = available_metrics(runs, metrics)
     groups = group_runs(runs)
     table = format_table(groups, metrics)
+    change = change_table(groups, metrics, baseline=load_baseline(baseline) if baseline is not None else None)
+    if change is not None:
+        start = "the baseline" if baseline is not None else "the first evaluation"
+        table += (f"\n\nRelative change from {start} to the last evaluation (paired over problems, mean over seeds, "
+                  "95% interval):\n\n" + change)
     png = plot_groups(groups, metrics, out if out is not None else Path(run_dirs[0]) / "compare.png", title=title)
     return {"table": table, "png": png, "groups": {g.label: [str(r.path) for r in g.runs] for g in groups}}

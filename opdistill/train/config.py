@@ -167,6 +167,7 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(0, ge=0)  # evaluate every N steps (0 = only before and after training)
+    at_start: bool = True  # evaluate at step 0 (false: e.g. many runs from one start, evaluated once with opdistill eval)
     num_prompts: int = Field(200, ge=0)
     greedy: bool = True
     sampled: bool = True

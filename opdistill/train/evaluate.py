@@ -18,6 +18,11 @@ over problems (token-weighted metrics stay token-weighted), with ``_lo`` / ``_hi
     eval/student_mass      sum_k pi(i_k) on the teacher's top-k / tokens;  eval/teacher_mass likewise
     eval/overlap_ratio     |teacher top-k cap student top-k| / (K tokens)
 
+The per-problem values themselves are kept as JSON (:func:`values_to_json`): the trainer writes one file per
+evaluation, ``RUN_DIR/eval/step_NNNNNN.json``, and ``opdistill eval --out`` adds them to its report, so two
+evaluations of the same problems can be compared paired over problems (``opdistill compare``,
+:func:`opdistill.train.stats.paired_change`).
+
 Sampling is keyed by a fixed seed (step 0, the prompt's index + ``prompt_offset``, the sample's index), so every
 evaluation of a run (and of every method in the demo) sees the same prompts and the same samples' randomness, and a
 rank evaluating a slice of the problems draws exactly what one process would.
@@ -37,7 +42,8 @@ from opdistill.rollout import generate_rollouts
 from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
 from opdistill.train.remote_teacher import score_rows
 
-__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "gather_values", "summarize", "nest_intervals"]
+__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "gather_values", "summarize", "nest_intervals",
+           "values_to_json", "values_from_json"]
 
 # metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
 METRICS = {
@@ -86,6 +92,31 @@ class EvalValues:
                 raise ValueError(f"EvalValues.cat: {f.name} is measured in some parts only")
             out[f.name] = torch.cat(vals) if all(present) else None
         return cls(**out)
+
+
+def values_to_json(values: EvalValues) -> dict[str, list[float]]:
+    """{field: [one float per problem]} for every measured field (plain JSON)."""
+    return {f.name: getattr(values, f.name).tolist() for f in fields(EvalValues) if getattr(values, f.name) is not None}
+
+
+def values_from_json(data, source: str = "values") -> EvalValues:
+    """The inverse of :func:`values_to_json`, checked: known fields only, ``problems`` present, one finite number per
+    problem in every field (ValueError naming ``source`` and the field otherwise)."""
+    known = {f.name for f in fields(EvalValues)}
+    if not isinstance(data, dict) or "problems" not in data:
+        raise ValueError(f"{source}: expected an object of per-problem lists with a 'problems' list")
+    out = {}
+    for name, vals in data.items():
+        if name not in known:
+            raise ValueError(f"{source}: unknown field {name!r} (expected some of {sorted(known)})")
+        if not isinstance(vals, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v) for v in vals):
+            raise ValueError(f"{source}: field {name!r} must be a list of finite numbers")
+        out[name] = torch.tensor(vals, dtype=torch.float64)
+    lengths = {len(v) for v in out.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"{source}: every field needs one value per problem, got lengths {sorted(lengths)}")
+    return EvalValues(**out)
 
 
 def gather_values(values: EvalValues, group) -> EvalValues:

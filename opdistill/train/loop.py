@@ -19,6 +19,7 @@ excluded), which is how the demo gives every method the same wall-clock budget.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 import warnings
@@ -37,11 +38,12 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.errors import ConfigError
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, init_distributed, wrap_student
-from opdistill.train.evaluate import evaluate
+from opdistill.train.evaluate import evaluate_values, gather_values, summarize, values_to_json
 from opdistill.train.logger import NullLogger, RunLogger
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.optim import build_optimizer
-from opdistill.train.rundir import NonFiniteError, RunDir, RunWarning, check_checkpoint_config, open_run_dir
+from opdistill.train.rundir import (NonFiniteError, RunDir, RunWarning, atomic_write_text, check_checkpoint_config,
+                                   open_run_dir)
 from opdistill.train.wandb_log import open_wandb
 from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.remote_teacher import connect_teacher
@@ -177,17 +179,22 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     return data, metrics
 
 
-def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: DistContext = DistContext()) -> dict:
-    """Evaluate on ``held_out``; under data parallelism each rank takes a contiguous part, sums are reduced exactly."""
+def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: DistContext = DistContext(),
+             values_path: Path | None = None) -> dict:
+    """Evaluate on ``held_out``; under data parallelism each rank takes a contiguous part, sums are reduced exactly.
+    ``values_path``: also write the per-problem values there (JSON, atomic, by the main rank): what ``opdistill
+    compare`` pairs over problems."""
     ec = cfg.eval
     offset, count = ctx.split(len(held_out))
-    return evaluate(student, tok, task, held_out[offset:offset + count], teacher=teacher,
-                    temperature=cfg.rollout.temperature,
-                    max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy,
-                    sampled=ec.sampled, topk=ec.topk, batch_size=ec.batch_size,
-                    use_chat_template=cfg.data.use_chat_template, seed=cfg.data.eval_seed + 777,
-                    num_samples=ec.num_samples, resamples=ec.bootstrap_resamples, group=ctx.group,
-                    prompt_offset=offset)
+    values = gather_values(evaluate_values(
+        student, tok, task, held_out[offset:offset + count], teacher=teacher, temperature=cfg.rollout.temperature,
+        max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy, sampled=ec.sampled,
+        topk=ec.topk, batch_size=ec.batch_size, use_chat_template=cfg.data.use_chat_template,
+        seed=cfg.data.eval_seed + 777, num_samples=ec.num_samples, prompt_offset=offset), ctx.group)
+    if values_path is not None and ctx.is_main:
+        values_path.parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/eval: a link there is refused at open
+        atomic_write_text(values_path, json.dumps(values_to_json(values)) + "\n")
+    return summarize(values, resamples=ec.bootstrap_resamples, seed=cfg.data.eval_seed + 777)
 
 
 @dataclass
@@ -315,7 +322,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
 
         def evaluate_now() -> dict:  # several teachers: no teacher metrics in the evaluation
             return run_eval(cfg, tok, ctx.rollout_model(student), remote or (None if routed else teacher), task,
-                            held_out, ctx)
+                            held_out, ctx, values_path=rd.path / "eval" / f"step_{state.step:06d}.json")
 
         cfg_dict = config_to_dict(cfg)  # recorded in every checkpoint: a resume from another run's is refused
         save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
@@ -326,7 +333,7 @@ def _train(cfg: TrainerConfig, ctx: DistContext, *, resume: bool, overwrite: boo
                 raise ConfigError("rollout.engine / teacher.engine: vllm engines run in one process in this version "
                                   "(one engine per rank under torchrun is not wired yet); use hf with torchrun")
             engines = open_engines(cfg, tok, student, resolve_model_path)  # after the checkpoint load: its weights
-            if state.step == 0 and cfg.eval.num_prompts:
+            if state.step == 0 and cfg.eval.num_prompts and cfg.eval.at_start:
                 logger.log(0, state.record_eval(evaluate_now()))
             while state.step < cfg.train.steps:
                 if cfg.train.max_time_s is not None and state.train_time >= cfg.train.max_time_s:

@@ -2,8 +2,8 @@
 symlinks.
 
 A run directory holds ``config.yaml`` (the resolved config the run was started with, written once and never rewritten),
-``config_history.jsonl`` (one line per resume that changed an allowed key), ``metrics.jsonl``, ``tensorboard/`` and
-``checkpoints/``. The rules (docs/reliability.md):
+``config_history.jsonl`` (one line per resume that changed an allowed key), ``metrics.jsonl``, ``tensorboard/``,
+``eval/`` (the per-problem values of each evaluation) and ``checkpoints/``. The rules (docs/reliability.md):
 
 - A fresh ``train`` on a folder that holds a run is refused: ``--resume`` continues it, ``--overwrite`` deletes it
   first, another ``run_dir`` leaves it alone. ``--resume`` on a folder without a checkpoint is refused too.
@@ -67,7 +67,7 @@ RESUMABLE_KEYS = (
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
 RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png",
-               "wandb")
+               "wandb", "eval")
 _LOCK = ".lock"
 
 

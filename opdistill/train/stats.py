@@ -9,6 +9,11 @@ are computed from the same pseudo-datasets.
 The draw is fixed: ``numpy.random.default_rng(seed).integers(0, n, size=(resamples, n))`` (row b: the problems of
 resample b), and the interval is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled ratios
 (numpy's default linear interpolation). Resamples whose denominator sums to 0 are left out of the quantiles.
+:func:`paired_change` compares evaluations of the SAME problems (a run before and after training, over one or more
+seeds): the relative change of the ratio, ``mean over seeds s of R_after_s / R_before_s - 1``, where every R is a
+ratio of sums; each resample draws one set of problems and recomputes every R on it, so the interval is paired (the
+problem-to-problem variation common to before and after cancels).
+
 The point estimate is the ratio on the problems as they are; a percentile interval is not centred on it and, for a
 very skewed statistic on very few problems, need not contain it.
 """
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals"]
+__all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals", "paired_change"]
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
@@ -91,3 +96,38 @@ def ratio_intervals(ratios: dict[str, tuple], *, resamples: int = DEFAULT_RESAMP
         _check(num, den, level)
     counts = bootstrap_counts(n.pop(), resamples, seed)
     return {name: _interval(num, den, counts, level) for name, (num, den) in ratios.items()}
+
+
+def paired_change(before: list[tuple], after: list[tuple], *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                  level: float = DEFAULT_LEVEL) -> Interval:
+    """Relative change of a ratio metric on the same problems, paired over problems (module docstring).
+
+    ``before`` and ``after``: one ``(num, den)`` per seed (same order), each two 1-D arrays with one value per problem
+    of the same problems. Returns ``mean_s(R_after_s / R_before_s) - 1`` with its percentile-bootstrap interval
+    (e.g. -0.30 = 30% lower); resamples where any ratio is undefined (a zero denominator, or a zero ratio before)
+    are left out of the quantiles."""
+    if not before or len(before) != len(after):
+        raise ValueError(f"before and after: expected one (num, den) per seed for each, the same number of seeds, got "
+                         f"{len(before)} and {len(after)}")
+    pairs = [(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)) for a, b in [*before, *after]]
+    for num, den in pairs:
+        _check(num, den, level)
+    n = {len(num) for num, _ in pairs}
+    if len(n) != 1:
+        raise ValueError(f"before and after: every evaluation needs one value per problem of the same problems, got "
+                         f"lengths {sorted(n)}")
+    k = len(before)
+
+    def change(sums: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = [num / den for num, den in sums]  # each [resamples] (or scalar)
+            return np.mean([r[k + s] / r[s] for s in range(k)], axis=0) - 1.0
+
+    point = float(change([(num.sum(), den.sum()) for num, den in pairs]))
+    counts = bootstrap_counts(n.pop(), resamples, seed)
+    vals = change([(counts @ num, counts @ den) for num, den in pairs])
+    vals = vals[np.isfinite(vals)]
+    if vals.size == 0:
+        return Interval(point, float("nan"), float("nan"))
+    lo, hi = np.quantile(vals, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(point, float(lo), float(hi))
