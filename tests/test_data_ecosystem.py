@@ -253,9 +253,9 @@ def test_trainer_trains_on_chat_rows_and_evaluates_only_held_out(tmp_path, monke
         seen["train"] += [p.prompt[-1]["content"] for p in out]
         return out
 
-    def spy_eval(cfg, tok, student, teacher, task, held_out, *ctx):
+    def spy_eval(cfg, tok, student, teacher, task, held_out, *ctx, **kw):
         seen["eval"].append(sorted(p.prompt[-1]["content"] for p in held_out))
-        return run_eval(cfg, tok, student, teacher, task, held_out, *ctx)
+        return run_eval(cfg, tok, student, teacher, task, held_out, *ctx, **kw)
 
     monkeypatch.setattr(prompts_mod.PromptSource, "batch", spy_batch)
     monkeypatch.setattr(loop, "run_eval", spy_eval)

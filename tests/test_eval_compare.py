@@ -219,11 +219,18 @@ def test_demo_figure_from_fake_metrics(tmp_path, monkeypatch):
         assert bold[mi].get_label() == f"{method} (mean of 2 seeds)"
 
 
-def test_per_problem_values_match_a_float64_reference(tmp_path):
+@pytest.mark.parametrize("budget", [None, 1])
+def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, budget):
     """evaluate_values on a tiny student/teacher, 2 samples per problem: every per-problem sum equals the same sum
-    computed from full-vocabulary float64 log-probs (tests/reference.py for the tail KL and the diagnostics)."""
+    computed from full-vocabulary float64 log-probs (tests/reference.py for the tail KL and the diagnostics).
+    ``budget=1``: the diagnostics' logits budget allows one row per forward (the memory bound), same values."""
     import torch
     import torch.nn.functional as F
+
+    from opdistill.train import evaluate as evaluate_mod
+
+    if budget is not None:
+        monkeypatch.setattr(evaluate_mod, "DIAGNOSTIC_LOGITS", budget)
 
     from opdistill.data import PromptSource, render_prompt
     from opdistill.rollout import generate_rollouts
@@ -236,8 +243,14 @@ def test_per_problem_values_match_a_float64_reference(tmp_path):
     task = build_task(cfg)
     problems = PromptSource(task, 0, 0).held_out(3)
     K, seed = 4, 99
+    widths = []  # rows of each full-sequence student forward (the diagnostics)
+    hook = student.register_forward_pre_hook(lambda m, a, kw: widths.append(tuple(kw["input_ids"].shape)),
+                                             with_kwargs=True)
     vals = evaluate_values(student, tok, task, problems, teacher=teacher, max_new_tokens=12, topk=K,
                            batch_size=2, seed=seed, num_samples=2)
+    hook.remove()
+    full = max(w[1] for w in widths)
+    assert [w[0] for w in widths if w[1] == full] == ([2, 2, 2] if budget is None else [1] * 6)
     prompts = [render_prompt(tok, p.prompt, use_chat_template=True) for p in problems]
     ro = generate_rollouts(student, tok, prompts, n=2, max_new_tokens=12, seed=seed, step=0)  # the same keyed draw
     with torch.no_grad():

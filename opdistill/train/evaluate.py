@@ -188,8 +188,9 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     ids = torch.where(m.unsqueeze(-1), scores.topk.ids, 0)
     lp = torch.where(m.unsqueeze(-1), scores.topk.logprobs, float("-inf"))  # masked rows: empty slots
     dev = next(student.parameters()).device  # train.device cuda: the rows go there, the sums come back
-    for r0 in range(0, s.num_rows, batch_size):
-        rows = slice(r0, r0 + batch_size)
+    step = _diagnostic_rows(student, s.input_ids.shape[1], batch_size)
+    for r0 in range(0, s.num_rows, step):
+        rows = slice(r0, r0 + step)
         logits = student(input_ids=s.input_ids[rows].to(dev), attention_mask=s.attention_mask[rows].to(dev)).logits
         res = topk_divergence(logits.float(), ids[rows].to(dev), lp[rows].to(dev), support="tail",
                               divergence="reverse")
@@ -200,6 +201,18 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals.teacher_mass_sum, vals.overlap_count = _per_problem(p, idx, P), _per_problem(overlap, idx, P)
     vals.overlap_slots = vals.tokens * ids.shape[-1]
     return vals
+
+
+DIAGNOSTIC_LOGITS = 1 << 25  # logits (fp32: 128 MiB) per forward of the top-k diagnostics
+
+
+def _diagnostic_rows(student, seq_len: int, batch_size: int) -> int:
+    """Rows per forward of the top-k diagnostics: at most ``batch_size``, and at most DIAGNOSTIC_LOGITS logits
+    ([rows, S, V] is the evaluation's one vocabulary-wide buffer; a 64-row batch of 250 tokens at V = 49,152 would
+    be 3 GiB per copy, and the op makes several)."""
+    head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
+    vocab = int(head.weight.shape[0]) if head is not None and hasattr(head, "weight") else 1
+    return max(1, min(batch_size, DIAGNOSTIC_LOGITS // max(1, seq_len * vocab)))
 
 
 def summarize(values: EvalValues, *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
