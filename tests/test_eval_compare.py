@@ -167,6 +167,29 @@ def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys):
         f"per-problem lists with a 'problems' list)")
 
 
+def test_change_table_cells_from_hand_written_values(tmp_path):
+    """Hand-written per-problem values: a metric 30% lower on every problem reads -0.300 with a zero-width interval;
+    a metric that is 0 before (no relative change) and a run with one evaluation read n/a."""
+    from opdistill.train.compare import Group, change_table, load_runs
+
+    def run(name, evals):
+        d = tmp_path / name
+        (d / "eval").mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("")
+        for step, vals in evals.items():
+            (d / "eval" / f"step_{step:06d}.json").write_text(json.dumps(vals))
+        return d
+
+    start = {"problems": [1.0] * 3, "greedy_correct": [0.0] * 3, "tokens": [10.0, 20.0, 30.0],
+             "k1_sum": [5.0, 1.0, 9.0]}
+    end = {**start, "greedy_correct": [1.0, 0.0, 1.0], "k1_sum": [3.5, 0.7, 6.3]}
+    a, b = load_runs([run("a", {0: start, 40: end}), run("b", {40: end})])
+    table = change_table([Group("a", [a]), Group("b", [b])], ["eval/teacher_kl", "eval/greedy_acc"])
+    lines = table.splitlines()
+    assert lines[2] == "| a | 1 | -0.300 [-0.300, -0.300] (step 0->40) | n/a |"
+    assert lines[3] == "| b | 1 | n/a | n/a |"
+
+
 def test_eval_writes_per_problem_values(runs, tmp_path, capsys):
     out = tmp_path / "v.json"
     assert main(["eval", str(runs[0]), "eval.bootstrap_resamples=0", "--values", str(out)]) == 0

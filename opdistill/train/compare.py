@@ -191,6 +191,8 @@ def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> st
         after.append((getattr(last, num).numpy(), getattr(last, den).numpy()))
         spans.add(("baseline" if baseline is not None else f"step {steps[0]}", steps[-1]))
     iv = paired_change(before, after, resamples=resamples)
+    if not math.isfinite(iv.value):
+        return "n/a"  # a ratio that is 0 (or undefined) before: no relative change
     span = ""
     if len(spans) == 1:  # every seed spans the same steps: name them
         start, end = spans.pop()
