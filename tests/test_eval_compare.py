@@ -142,7 +142,7 @@ def test_runs_keep_per_problem_values_and_compare_pairs_them(runs, tmp_path, cap
     assert f"{point:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}] (step 0->2)" in line
 
 
-def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys):
+def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys, monkeypatch):
     base = runs[0] / "eval" / "step_000000.json"
     assert main(["compare", str(runs[0]), "--out", str(tmp_path / "a.png"), "--metric", "eval/teacher_kl"]) == 0
     own = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| base | 1 |"))
@@ -159,6 +159,15 @@ def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys):
     run_training(load_config(base=cfg), quiet=True)
     assert [r["step"] for r in read_metrics(tmp_path / "late") if "eval/teacher_kl" in r] == [1]
     assert [p.name for p in (tmp_path / "late" / "eval").iterdir()] == ["step_000001.json"]
+    figures = _capture_figures(monkeypatch)
+    assert main(["compare", str(tmp_path / "late"), "--baseline", str(base), "--out", str(tmp_path / "d.png"),
+                 "--metric", "eval/teacher_kl"]) == 0
+    capsys.readouterr()
+    start = json.loads(base.read_text())
+    (ax, _), = [figures[0].axes[:2]]
+    (line,) = ax.lines  # the baseline is the late run's step-0 point
+    assert list(line.get_xdata()) == [0, 1]
+    assert line.get_ydata()[0] == pytest.approx(sum(start["k1_sum"]) / sum(start["tokens"]), rel=1e-12)
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["compare", str(tmp_path / "late"), "--baseline", str(bad), "--out", str(tmp_path / "c.png")]) == 2

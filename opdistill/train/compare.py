@@ -11,7 +11,9 @@ figure draws each seed thin with its interval band and the group's mean bold. Ev
 When the runs kept their per-problem evaluation values (``RUN_DIR/eval/step_NNNNNN.json``, written by the trainer at
 every evaluation), a second table gives each group's change from its first evaluation to its last, paired over
 problems and averaged over its seeds (:func:`opdistill.train.stats.paired_change`): e.g. ``-0.31 [-0.38, -0.24]``
-is a 31% lower metric whose 95% interval excludes 0.
+is a 31% lower metric whose 95% interval excludes 0. ``--baseline VALUES.json`` (``opdistill eval --values`` of the
+start the runs share, e.g. runs trained with ``eval.at_start: false``) is the "first evaluation" of every run, in
+that table and as the step-0 point of the curves of runs that did not evaluate step 0 themselves.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from opdistill.errors import UserError
-from opdistill.train.evaluate import METRICS, values_from_json
+from opdistill.train.evaluate import METRICS, summarize, values_from_json
 from opdistill.train.logger import read_metrics
 from opdistill.train.rundir import flatten_config
 from opdistill.train.stats import paired_change
@@ -292,10 +294,16 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     if not run_dirs:
         raise CompareError("compare: expected at least one RUN_DIR")
     runs = load_runs(run_dirs)
+    base = load_baseline(baseline) if baseline is not None else None
+    if base is not None:  # the shared start is every run's step-0 point when the run did not evaluate it itself
+        start = {"step": 0, **summarize(base)}
+        for r in runs:
+            if not any(row.get("step") == 0 and any(k.startswith("eval/") for k in row) for row in r.rows):
+                r.rows.insert(0, start)
     metrics = available_metrics(runs, metrics)
     groups = group_runs(runs)
     table = format_table(groups, metrics)
-    change = change_table(groups, metrics, baseline=load_baseline(baseline) if baseline is not None else None)
+    change = change_table(groups, metrics, baseline=base)
     if change is not None:
         start = "the baseline" if baseline is not None else "the first evaluation"
         table += (f"\n\nRelative change from {start} to the last evaluation (paired over problems, mean over seeds, "
