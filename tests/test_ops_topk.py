@@ -224,3 +224,28 @@ def test_overlap_example_from_verl_pr_6469():
     s = torch.log_softmax(logits, -1).gather(-1, ids)
     adv = -(lp.exp() * (lp - s))
     torch.testing.assert_close(res.overlap_token_advantage, torch.stack([adv[0].mean(), adv[1, 0], torch.tensor(0.0)]))
+
+
+@pytest.mark.parametrize("support,div", COMBOS)
+def test_whole_vocabulary_slot_order_changes_only_rounding(support, div):
+    """K = V in vocabulary order (what ``score_teacher`` returns at k = V) vs the same pairs in descending order:
+    loss, gradient and every diagnostic agree to fp32 rounding, and match the float64 reference."""
+    V = 37
+    g = seeded(8)
+    z = torch.randn(6, V, generator=g) * 2
+    lp_vocab = torch.log_softmax(torch.randn(6, V, generator=g) * 2, -1)
+    ids_vocab = torch.arange(V).expand(6, V)
+    lp_sorted, ids_sorted = lp_vocab.sort(-1, descending=True)
+    out = []
+    for ids, lp in ((ids_vocab, lp_vocab), (ids_sorted, lp_sorted)):
+        x = z.clone().requires_grad_(True)
+        res = topk_divergence(x, ids, lp, support=support, divergence=div)
+        res.loss.sum().backward()
+        out.append((res, x.grad))
+    (a, ga), (b, gb) = out
+    for f in ("loss", "student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.overlap_count, b.overlap_count) and bool((a.overlap_count == V).all())
+    torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+    expect = ref.topk_reference(z.double(), ids_vocab, lp_vocab.double(), support, div, 0.5)
+    torch.testing.assert_close(a.loss.double(), expect, rtol=1e-4, atol=1e-5)
