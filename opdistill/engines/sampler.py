@@ -190,7 +190,7 @@ class _LeanDecoder:
         self.cos = self.sin = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.mask: torch.Tensor | None = None  # [rows, 1, 1, columns] bool: True = attend
+        self.mask: torch.Tensor | None = None  # [rows, 1, 1, columns] bool: True = attend; None: every column
 
     @staticmethod
     def _rms(x: torch.Tensor, norm) -> torch.Tensor:
@@ -218,9 +218,12 @@ class _LeanDecoder:
                 buf = src.new_zeros(len(rows), src.shape[1], columns, src.shape[3])
                 buf[:, :, :P] = src[rows]
                 dst.append(buf)
-        mask = torch.ones(len(rows), columns, dtype=torch.bool, device=attn.device)
-        mask[:, :P] = attn.bool()
-        self.mask = mask[:, None, None, :]
+        if bool(attn.all()):  # no padding: every column is attended, SDPA needs no mask (the same result)
+            self.mask = None
+        else:
+            mask = torch.ones(len(rows), columns, dtype=torch.bool, device=attn.device)
+            mask[:, :P] = attn.bool()
+            self.mask = mask[:, None, None, :]
         if self.static_rope:
             w = self.embed.weight
             cos, sin = self.rope(w.new_zeros(1, 1, w.shape[1]), torch.arange(max_position + 1, device=w.device)[None])
@@ -230,7 +233,8 @@ class _LeanDecoder:
         """Keep the rows ``sel`` (finished rows dropped)."""
         self.keys = [k.index_select(0, sel) for k in self.keys]
         self.values = [v.index_select(0, sel) for v in self.values]
-        self.mask = self.mask.index_select(0, sel)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, sel)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int) -> torch.Tensor:
         """Logits [rows, V] of the next token after feeding ``tok`` [rows] at position ``pos`` [rows], cache column
@@ -244,7 +248,7 @@ class _LeanDecoder:
             cos, sin = self._rope_tables(cos[:, 0], sin[:, 0])
         cos, sin = cos[:, None], sin[:, None]  # [R, 1, D]: one row of every head
         R = x.shape[0]
-        mask = self.mask[..., : col + 1]
+        mask = None if self.mask is None else self.mask[..., : col + 1]
         for i, (n1, qkv, op, n2, gate_up, dp, act, H, Hkv, D, scale) in enumerate(self.layers):
             h = self._rms(x, n1)
             if len(qkv) == 1:
