@@ -30,7 +30,7 @@ import opdistill
 from opdistill.errors import UserError
 from opdistill.ops.checks import check_mask
 from opdistill import TeacherTopK
-from opdistill.fused import backbone_of, read_lm_head
+from opdistill.fused import backbone_of, no_cache_kwargs, read_lm_head
 
 __all__ = ["TeacherScores", "TeacherCacheError", "score_teacher", "save_cache", "load_cache", "teacher_fingerprint",
            "teacher_fingerprint_from_folder", "tokenizer_fingerprint", "CACHE_FORMAT"]
@@ -77,6 +77,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             raise ValueError(f"positions: expected shape {(B, S)} (the shape of input_ids), got {tuple(positions.shape)}")
         sel = check_mask(positions, "positions").reshape(-1).cpu()
     backbone = backbone_of(teacher)
+    no_cache = no_cache_kwargs(teacher)  # one forward: a KV cache would only be built and thrown away
     dev = teacher.device
     # Rows scored: every position of the flattened layout, or only those of ``positions`` (in layout order).
     n = B * S if sel is None else int(sel.sum())
@@ -99,7 +100,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             lo, hi = r0 * S, (r0 + b) * S  # this row chunk in the flattened layout
             if sel is not None and not bool(sel[lo:hi].any()):
                 continue
-            hidden = backbone(input_ids=ids, attention_mask=am).last_hidden_state  # [b, S, H]
+            hidden = backbone(input_ids=ids, attention_mask=am, **no_cache).last_hidden_state  # [b, S, H]
             flat = hidden.reshape(b * S, -1)
             if sel is None:
                 tgt_rows = flat_targets[lo:hi] if flat_targets is not None else None

@@ -69,3 +69,35 @@ def test_whole_vocabulary_step_equals_the_sorted_slots_step(tmp_path, monkeypatc
         assert out[0][key] == pytest.approx(out[1][key], rel=1e-5, abs=1e-6), key
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_scoring_and_training_forwards_build_no_kv_cache(tmp_path, monkeypatch):
+    """The teacher's scoring forward and the student's training forward are single forwards: they pass
+    ``use_cache=False`` (``no_cache_kwargs``), so transformers builds no KV cache to throw away; same outputs."""
+    from opdistill.fused import backbone_of, no_cache_kwargs
+    from opdistill.teacher import score_teacher
+
+    cfg, (tok, student, teacher), data, _ = _collect(tmp_path, monkeypatch)
+    assert no_cache_kwargs(student) == {"use_cache": False} and no_cache_kwargs(torch.nn.Linear(2, 2)) == {}
+
+    class Wrapped(torch.nn.Module):  # a DDP-style wrapper: looked through
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    assert no_cache_kwargs(Wrapped(student)) == {"use_cache": False}
+    caches = []
+    hooks = [backbone_of(teacher).register_forward_hook(lambda m, a, out: caches.append(("teacher", out.past_key_values))),
+             student.register_forward_hook(lambda m, a, out: caches.append(("student", out.past_key_values)))]
+    try:
+        scores = score_teacher(teacher, data.input_ids, data.attention_mask, k=4)
+        train_step(student, torch.optim.SGD(student.parameters(), lr=0.0), data, method="on_policy",
+                   loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=None)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert [who for who, _ in caches] == ["teacher"] + ["student"] * (len(caches) - 1) and len(caches) >= 2
+    assert all(c is None for _, c in caches)
+    with torch.no_grad():  # the same scores as the model's own (cache-building) forward
+        lp = torch.log_softmax(teacher(input_ids=data.input_ids, attention_mask=data.attention_mask).logits, -1)
+    torch.testing.assert_close(scores.topk.logprobs, lp.topk(4, -1).values, atol=1e-5, rtol=0)
