@@ -30,7 +30,7 @@ import opdistill
 from opdistill.errors import UserError
 from opdistill.ops.checks import check_mask
 from opdistill import TeacherTopK
-from opdistill.fused import backbone_of, read_lm_head
+from opdistill.fused import backbone_of, no_cache_kwargs, read_lm_head
 
 __all__ = ["TeacherScores", "TeacherCacheError", "score_teacher", "save_cache", "load_cache", "teacher_fingerprint",
            "teacher_fingerprint_from_folder", "tokenizer_fingerprint", "CACHE_FORMAT"]
@@ -58,7 +58,12 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     log-prob -inf: zero mass, what the loss turns masked rows into anyway) and sampled log-probs 0.
     Without ``positions`` every position is scored. Results are written into the ``[B, S, ...]`` outputs through
     contiguous views of the flattened layout (or, with ``positions``, one copy of the scored rows), never by per-chunk
-    advanced indexing of the whole layout."""
+    advanced indexing of the whole layout.
+
+    Slot order: for ``k < V`` the slots hold the top-k in descending log-prob order (``topk``). For ``k = V`` (the
+    whole vocabulary) slot ``j`` holds token ``j`` (ids ``0..V-1`` in vocabulary order; no ``topk``, which would be a
+    full sort of every row): the same (id, log-prob) pairs bit for bit, in another order. Nothing reads the slot
+    order (the losses, the overlap diagnostics, the cache and the server treat the K slots as a set)."""
     if k is None and sampled_ids is None:
         raise ValueError("score_teacher: ask for top-k (k=...) or sampled-token scores (sampled_ids=...), or both")
     B, S = input_ids.shape
@@ -72,10 +77,12 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             raise ValueError(f"positions: expected shape {(B, S)} (the shape of input_ids), got {tuple(positions.shape)}")
         sel = check_mask(positions, "positions").reshape(-1).cpu()
     backbone = backbone_of(teacher)
+    no_cache = no_cache_kwargs(teacher)  # one forward: a KV cache would only be built and thrown away
     dev = teacher.device
     # Rows scored: every position of the flattened layout, or only those of ``positions`` (in layout order).
     n = B * S if sel is None else int(sel.sum())
-    out_ids = torch.zeros(n, k, dtype=torch.long) if k else None
+    whole = k is not None and k == V  # every id: slot j = token j, no top-k (a full sort of each row)
+    out_ids = torch.zeros(n, k, dtype=torch.long) if k and not whole else None
     out_lp = torch.zeros(n, k, dtype=torch.float32) if k else None
     out_samp = torch.zeros(n, dtype=torch.float32) if sampled_ids is not None else None
     flat_targets = sampled_ids.reshape(-1) if sampled_ids is not None else None
@@ -93,7 +100,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             lo, hi = r0 * S, (r0 + b) * S  # this row chunk in the flattened layout
             if sel is not None and not bool(sel[lo:hi].any()):
                 continue
-            hidden = backbone(input_ids=ids, attention_mask=am).last_hidden_state  # [b, S, H]
+            hidden = backbone(input_ids=ids, attention_mask=am, **no_cache).last_hidden_state  # [b, S, H]
             flat = hidden.reshape(b * S, -1)
             if sel is None:
                 tgt_rows = flat_targets[lo:hi] if flat_targets is not None else None
@@ -106,7 +113,9 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
                 c = z.shape[0]
                 lse = torch.logsumexp(z, dim=-1, keepdim=True)
                 at = slice(done + t0, done + t0 + c)
-                if k:
+                if whole:
+                    out_lp[at] = (z - lse).cpu()
+                elif k:
                     v, i = z.topk(k, dim=-1)
                     out_ids[at] = i.cpu()
                     out_lp[at] = (v - lse).cpu()
@@ -117,16 +126,21 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     finally:
         if switch:
             teacher.train(was_training)
+    vocab = torch.arange(V) if whole else None
     if sel is None:  # the flattened layout itself: views, no copy
-        top_ids = out_ids.view(B, S, k) if k else None
+        top_ids = (vocab.expand(B * S, V).contiguous() if whole else out_ids).view(B, S, k) if k else None
         top_lp = out_lp.view(B, S, k) if k else None
         samp = out_samp.view(B, S) if out_samp is not None else None
     else:
         top_ids = top_lp = samp = None
         if k:
-            top_ids = torch.zeros(B * S, k, dtype=torch.long)
             top_lp = torch.full((B * S, k), float("-inf"), dtype=torch.float32)
-            top_ids[sel], top_lp[sel] = out_ids, out_lp
+            top_lp[sel] = out_lp
+            if whole:  # unscored rows: empty slots with id 0, as for k < V
+                top_ids = torch.where(sel[:, None], vocab, 0)
+            else:
+                top_ids = torch.zeros(B * S, k, dtype=torch.long)
+                top_ids[sel] = out_ids
             top_ids, top_lp = top_ids.view(B, S, k), top_lp.view(B, S, k)
         if out_samp is not None:
             samp = torch.zeros(B * S, dtype=torch.float32)

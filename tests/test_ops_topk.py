@@ -224,3 +224,71 @@ def test_overlap_example_from_verl_pr_6469():
     s = torch.log_softmax(logits, -1).gather(-1, ids)
     adv = -(lp.exp() * (lp - s))
     torch.testing.assert_close(res.overlap_token_advantage, torch.stack([adv[0].mean(), adv[1, 0], torch.tensor(0.0)]))
+
+
+@pytest.mark.parametrize("support,div", COMBOS)
+def test_whole_vocabulary_slot_order_changes_only_rounding(support, div):
+    """K = V in vocabulary order (what ``score_teacher`` returns at k = V) vs the same pairs in descending order:
+    loss, gradient and every diagnostic agree to fp32 rounding, and match the float64 reference."""
+    V = 37
+    g = seeded(8)
+    z = torch.randn(6, V, generator=g) * 2
+    lp_vocab = torch.log_softmax(torch.randn(6, V, generator=g) * 2, -1)
+    ids_vocab = torch.arange(V).expand(6, V)
+    lp_sorted, ids_sorted = lp_vocab.sort(-1, descending=True)
+    out = []
+    for ids, lp in ((ids_vocab, lp_vocab), (ids_sorted, lp_sorted)):
+        x = z.clone().requires_grad_(True)
+        res = topk_divergence(x, ids, lp, support=support, divergence=div)
+        res.loss.sum().backward()
+        out.append((res, x.grad))
+    (a, ga), (b, gb) = out
+    for f in ("loss", "student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.overlap_count, b.overlap_count) and bool((a.overlap_count == V).all())
+    torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+    expect = ref.topk_reference(z.double(), ids_vocab, lp_vocab.double(), support, div, 0.5)
+    torch.testing.assert_close(a.loss.double(), expect, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("div", ["forward", "reverse", "jsd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_whole_vocabulary_tail_equals_the_vocabulary_pass(monkeypatch, div, dtype):
+    """K = V, every live slot non-empty: the tail's student rest is -inf without ``student_rest_at``'s [N, V] passes
+    (``_whole_vocabulary_rest``); loss, gradient and diagnostics equal the pass's bit for bit, masked rows (every slot
+    empty) included. A row with one empty slot takes the pass (its rest is the empty id's mass)."""
+    import opdistill.ops.topk as topk_mod
+
+    V = 29
+    g = seeded(4)
+    z = (torch.randn(3, 5, V, generator=g) * 2).to(dtype)
+    ids = torch.stack([torch.randperm(V, generator=g) for _ in range(15)]).reshape(3, 5, V)
+    lp = torch.log_softmax(torch.randn(3, 5, V, generator=g, dtype=dtype) * 2, -1).gather(-1, ids)
+    lp[1, 2] = float("-inf")  # a masked row
+    lp[2, 4] = float("-inf")
+    w = torch.randn(3, 5, generator=g, dtype=dtype)
+
+    def run(lp, fast: bool):
+        calls = []
+        real = topk_mod.student_rest_at
+        monkeypatch.setattr(topk_mod, "student_rest_at", lambda *a, **k: calls.append(1) or real(*a, **k))
+        if not fast:
+            monkeypatch.setattr(topk_mod, "_whole_vocabulary_rest", lambda *a: None)
+        x = z.clone().requires_grad_(True)
+        res = topk_divergence(x, ids, lp, support="tail", divergence=div)
+        (res.loss * w).sum().backward()
+        monkeypatch.undo()
+        return res, x.grad, len(calls)
+
+    (a, ga, na), (b, gb, nb) = run(lp, True), run(lp, False)
+    assert (na, nb) == (0, 1)
+    for f in ("loss", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert torch.equal(ga, gb) and bool(torch.isfinite(ga).all())
+    expect = ref.topk_reference(z.double(), ids, lp.double(), "tail", div, 0.5)
+    live = torch.isfinite(lp).any(-1)
+    torch.testing.assert_close(a.loss[live].double(), expect[live], rtol=1e-4, atol=1e-5)
+    one_empty = lp.clone()
+    one_empty[0, 0, 3] = float("-inf")  # not the whole vocabulary any more: the pass runs, values as before
+    (c, gc, nc), (d, gd, nd) = run(one_empty, True), run(one_empty, False)
+    assert (nc, nd) == (1, 1) and torch.equal(c.loss, d.loss) and torch.equal(gc, gd)

@@ -471,3 +471,37 @@ def test_lean_decode_dynamic_rope_equals_the_model_forward(demo):
     assert out.tokens == ref.tokens
     for a, b in zip(out.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_gqa"])
+def test_lean_decode_without_padding_runs_without_a_mask(demo, monkeypatch, arch):
+    """Prompts of one length (no padding column): the lean step passes SDPA no mask (every column is attended) and
+    draws the samples and log-probs of the model's forward path; with a padded chunk the mask is there (and dropping
+    finished rows keeps both cases consistent)."""
+    import opdistill.engines.sampler as sm
+
+    tok = demo[0]
+    model = demo[1] if arch == "llama" else _tiny_qwen2(tok)
+    L = min(len(p) for p in demo[3])
+    same = [p[:L] for p in demo[3][:4]]  # one length: no padding column
+    assert len({tuple(p) for p in same}) > 1
+    masks = []
+    real_step = sm._LeanDecoder.step
+
+    def spy(self, tok_, pos, col):
+        masks.append(self.mask)
+        return real_step(self, tok_, pos, col)
+
+    monkeypatch.setattr(sm._LeanDecoder, "step", spy)
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, n=2, temperature=0.9, max_new_tokens=10, seed=4,
+              step=1, want_logprobs=True)
+    out = sample(model, same, **kw)
+    assert masks and all(m is None for m in masks)
+    ref = sample(model, same, lean_decode=False, **kw)
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-6, rtol=2e-6)
+    masks.clear()
+    ragged = same[:2] + [p for p in demo[3] if len(p) > L][:1]
+    sample(model, ragged, **kw)
+    assert masks and all(m is not None for m in masks)

@@ -143,3 +143,30 @@ def test_teacher_scores_only_response_positions(setup, monkeypatch, row_chunk, t
     rows.clear()
     none = score_teacher(model, ro.input_ids, ro.attention_mask, k=5, positions=torch.zeros_like(mask))
     assert rows == [] and bool(torch.isneginf(none.topk.logprobs).all())
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_whole_vocabulary_scores_in_vocabulary_order(setup, positions):
+    """k = V: slot j holds token j (no full sort); the (id, log-prob) pairs are the top-k path's bit for bit (sorted
+    back, they equal k = V - 1's top-k plus the last token), the log-probs are the model's log-softmax, and unscored
+    positions are empty slots (id 0, -inf) as for k < V."""
+    tok, model, prompts = setup
+    ro = generate_rollouts(model, tok, prompts, n=2, max_new_tokens=10, seed=5, step=2)
+    targets, mask = shift_for_next_token(ro.input_ids, ro.response_mask)
+    V = model.config.vocab_size
+    kw = dict(positions=mask) if positions else {}
+    whole = score_teacher(model, ro.input_ids, ro.attention_mask, k=V, sampled_ids=targets, **kw)
+    part = score_teacher(model, ro.input_ids, ro.attention_mask, k=V - 1, sampled_ids=targets, **kw)
+    m = mask.bool() if positions else torch.ones_like(mask, dtype=torch.bool)
+    assert whole.topk.validated and whole.topk.ids.dtype == torch.long and whole.topk.ids.shape[-1] == V
+    assert torch.equal(whole.topk.ids[m], torch.arange(V).expand(int(m.sum()), V))
+    srt = whole.topk.logprobs[m].sort(dim=-1, descending=True).values
+    assert torch.equal(srt[:, : V - 1], part.topk.logprobs[m])  # same values, bit for bit
+    assert torch.equal(whole.sampled_logprobs, part.sampled_logprobs)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits.double(), -1)
+    torch.testing.assert_close(whole.topk.logprobs[m].double(), lp[m], atol=1e-5, rtol=0)
+    if positions:
+        assert torch.equal(whole.topk.ids[~m], torch.zeros_like(whole.topk.ids[~m]))
+        assert bool(torch.isneginf(whole.topk.logprobs[~m]).all())
+        assert whole.topk.ids.is_contiguous() and whole.topk.logprobs.is_contiguous()

@@ -187,10 +187,15 @@ class _LeanDecoder:
                                 m.act_fn, H, Hkv, D, a.scaling))
         # cos/sin of every position at once when the rotary embedding does not depend on the sequence seen so far
         self.static_rope = not any(w in str(getattr(self.rope, "rope_type", "")) for w in ("dynamic", "longrope"))
-        self.cos = self.sin = None
+        self.cos = self.sin = None  # [positions, D] tables (static rotary)
+        self.row_cos = self.row_sin = None  # [rows, steps, 1, D]: each row's table entries for its next positions
+        self.prompt_columns = 0
+        # plain modules called as their functional forms (no module-call overhead per token): same computation
+        emb = self.embed
+        self.embed_weight = emb.weight if emb.max_norm is None else None  # max_norm renormalizes: the module's call
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.mask: torch.Tensor | None = None  # [rows, 1, 1, columns] bool: True = attend
+        self.mask: torch.Tensor | None = None  # [rows, 1, 1, columns] bool: True = attend; None: every column
 
     @staticmethod
     def _rms(x: torch.Tensor, norm) -> torch.Tensor:
@@ -207,44 +212,63 @@ class _LeanDecoder:
         half = sin.shape[-1] // 2
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
-    def start(self, cache, rows: torch.Tensor, attn: torch.Tensor, columns: int, max_position: int) -> None:
+    def start(self, cache, rows: torch.Tensor, attn: torch.Tensor, columns: int, max_position: int,
+              last_pos: torch.Tensor | None = None) -> None:
         """Copy the prefill ``cache`` (one row per prompt) into preallocated buffers of ``columns`` positions, one row
         per sample (``rows`` = the prompt row of each); ``attn`` [samples, prompt columns] = the prefill mask;
-        positions up to ``max_position`` will be fed."""
+        positions up to ``max_position`` will be fed. ``last_pos`` [samples]: each row's last prompt position; given,
+        the rotary entries of the positions ``last_pos + 1 ..`` that :meth:`step` feeds at columns ``P ..`` are
+        gathered once here (``step`` then takes a view per token instead of two gathers)."""
         P = attn.shape[1]
+        self.prompt_columns = P
         self.keys, self.values = [], []
         for layer in cache.layers:
             for src, dst in ((layer.keys, self.keys), (layer.values, self.values)):
                 buf = src.new_zeros(len(rows), src.shape[1], columns, src.shape[3])
                 buf[:, :, :P] = src[rows]
                 dst.append(buf)
-        mask = torch.ones(len(rows), columns, dtype=torch.bool, device=attn.device)
-        mask[:, :P] = attn.bool()
-        self.mask = mask[:, None, None, :]
+        if bool(attn.all()):  # no padding: every column is attended, SDPA needs no mask (the same result)
+            self.mask = None
+        else:
+            mask = torch.ones(len(rows), columns, dtype=torch.bool, device=attn.device)
+            mask[:, :P] = attn.bool()
+            self.mask = mask[:, None, None, :]
         if self.static_rope:
             w = self.embed.weight
             cos, sin = self.rope(w.new_zeros(1, 1, w.shape[1]), torch.arange(max_position + 1, device=w.device)[None])
             self.cos, self.sin = self._rope_tables(cos[0], sin[0])  # [positions, D]
+            self.row_cos = self.row_sin = None
+            if last_pos is not None:
+                at = (last_pos[:, None] + torch.arange(1, columns - P + 1, device=last_pos.device)).clamp_max(
+                    max_position)  # [rows, steps]; positions past max_position are never fed
+                self.row_cos, self.row_sin = self.cos[at][:, :, None], self.sin[at][:, :, None]
 
     def select(self, sel: torch.Tensor) -> None:
         """Keep the rows ``sel`` (finished rows dropped)."""
         self.keys = [k.index_select(0, sel) for k in self.keys]
         self.values = [v.index_select(0, sel) for v in self.values]
-        self.mask = self.mask.index_select(0, sel)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, sel)
+        if self.row_cos is not None:
+            self.row_cos, self.row_sin = self.row_cos.index_select(0, sel), self.row_sin.index_select(0, sel)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int) -> torch.Tensor:
         """Logits [rows, V] of the next token after feeding ``tok`` [rows] at position ``pos`` [rows], cache column
         ``col``."""
         F = torch.nn.functional
-        x = self.embed(tok)  # [R, hidden]
-        if self.static_rope:
-            cos, sin = self.cos[pos], self.sin[pos]  # [R, D]
+        x = self.embed(tok) if self.embed_weight is None else F.embedding(tok, self.embed_weight)  # [R, hidden]
+        if self.row_cos is not None:  # this column's entries, gathered at start (pos = last_pos + col - P + 1)
+            j = col - self.prompt_columns
+            cos, sin = self.row_cos[:, j], self.row_sin[:, j]  # [R, 1, D]
         else:
-            cos, sin = self.rope(x[:, None], pos[:, None])
-            cos, sin = self._rope_tables(cos[:, 0], sin[:, 0])
-        cos, sin = cos[:, None], sin[:, None]  # [R, 1, D]: one row of every head
+            if self.static_rope:
+                cos, sin = self.cos[pos], self.sin[pos]  # [R, D]
+            else:
+                cos, sin = self.rope(x[:, None], pos[:, None])
+                cos, sin = self._rope_tables(cos[:, 0], sin[:, 0])
+            cos, sin = cos[:, None], sin[:, None]  # [R, 1, D]: one row of every head
         R = x.shape[0]
-        mask = self.mask[..., : col + 1]
+        mask = None if self.mask is None else self.mask[..., : col + 1]
         for i, (n1, qkv, op, n2, gate_up, dp, act, H, Hkv, D, scale) in enumerate(self.layers):
             h = self._rms(x, n1)
             if len(qkv) == 1:
@@ -329,7 +353,7 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                 logits, attn = logits[rows], attn[rows]
             last_pos = pos[rows, -1]
             if lean is not None:
-                lean.start(cache, rows, attn, P + max_new_tokens, int(last_pos.max()) + max_new_tokens)
+                lean.start(cache, rows, attn, P + max_new_tokens, int(last_pos.max()) + max_new_tokens, last_pos)
                 del cache
             elif n > 1:
                 cache.batch_select_indices(rows)

@@ -3,7 +3,7 @@ logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages: each chu
 vocab-sharded stages of ``opdistill.parallel.stages``), gradients for hidden, weight and bias."""
 
 from ._chunks import default_chunk_size
-from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of, read_lm_head
+from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of, no_cache_kwargs, read_lm_head
 from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
@@ -22,5 +22,6 @@ __all__ = [
     "fused_topk_divergence",
     "fused_topk_loss",
     "lm_head_of",
+    "no_cache_kwargs",
     "read_lm_head",
 ]

@@ -109,6 +109,17 @@ def backbone_of(model):
     return dec
 
 
+def no_cache_kwargs(model) -> dict:
+    """``{"use_cache": False}`` for a transformers model (its config has ``use_cache``), else ``{}``: a forward
+    that is not a decode step (scoring, a training forward) need not build a KV cache, which transformers does by
+    default (``config.use_cache``) and throws away after the call. The outputs are the same. A wrapper with
+    ``.module`` (DDP) is looked through."""
+    m = model
+    while not hasattr(m, "config") and hasattr(m, "module"):
+        m = m.module
+    return {"use_cache": False} if getattr(getattr(m, "config", None), "use_cache", None) is not None else {}
+
+
 def causal_lm_hidden(model, input_ids=None, attention_mask=None, **kwargs) -> StudentHidden:
     """Run the backbone of a transformers causal LM and return its final hidden states with its lm_head.
 

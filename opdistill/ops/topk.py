@@ -118,6 +118,18 @@ def student_rest_at(logits: torch.Tensor, ids: torch.Tensor, rest_slots: torch.T
     return torch.where(full, float("-inf"), rest)
 
 
+def _whole_vocabulary_rest(slots: torch.Tensor, live: torch.Tensor, lse: torch.Tensor, V: int) -> torch.Tensor | None:
+    """``student_rest_at``'s result without its ``[..., V]`` passes when K = V and every slot of every live row is
+    non-empty: the K ids of a row are distinct and in the vocabulary (checked, or validated where they were made), so
+    T is the whole vocabulary there and log(1 - Q) is -inf; a row that is not live (every slot empty, its logits
+    replaced by zeros) has rest exactly 0 (log V - log V). Same values bit for bit, and the same (zero) gradient:
+    ``student_rest_at`` sends none through -inf rows, and not-live rows carry no loss. None when the condition does
+    not hold (then ``student_rest_at`` runs)."""
+    if slots.shape[-1] != V or not bool((slots.all(-1) | ~live).all()):
+        return None
+    return torch.zeros(lse.shape, dtype=lse.dtype, device=lse.device).masked_fill_(live, float("-inf"))
+
+
 def _masked_logsumexp(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=-1)
 
@@ -272,9 +284,14 @@ def topk_divergence(
     if validate:
         check_finite_rows(~torch.isfinite(lse) & live, "student_logits")
     t = teacher_logprobs.to(s.dtype)
-    rest = student_rest_at(student_logits, ids, t > float("-inf"), temperature, live) if support == "tail" else None
+    V = student_logits.shape[-1]
+    rest = None
+    if support == "tail":
+        slots = t > float("-inf")
+        rest = _whole_vocabulary_rest(slots, live, lse, V)
+        if rest is None:
+            rest = student_rest_at(student_logits, ids, slots, temperature, live)
     loss = topk_loss_from_logprobs(s, t, student_rest=rest, **kw)
     # top-k of z equals top-k of log_softmax(z / tau): both are monotone in z. K = V: S is every id (no top-k).
-    V = student_logits.shape[-1]
     student_topk = None if ids.shape[-1] >= V else torch.topk(student_logits.detach(), k=ids.shape[-1], dim=-1).indices
     return finish_topk(loss, s, t, ids, student_topk, log_prob_min_clamp, tuple(loss.shape), V)

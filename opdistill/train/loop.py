@@ -140,6 +140,16 @@ def _collect_from_cache(cfg: TrainerConfig, step: int, cache: dict, ctx: DistCon
                   "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * rows, total))}
 
 
+def needs_sampler_logprobs(cfg: TrainerConfig, engines: EngineSet | None = None) -> bool:
+    """Whether a step reads the sampler's log-probs (the "old" log-probs): the policy-gradient losses (``train.method
+    rl``, ``loss.use_policy_gradient``, ``loss.use_task_rewards``) and the rollout mismatch metrics / TIS
+    (``engines.mismatch``). Otherwise the rollouts are drawn without them (the same samples: log-probs draw no
+    randomness) and ``StepData.sampler_logprobs`` is None."""
+    lc = cfg.loss
+    return (cfg.train.method == "rl" or lc.use_policy_gradient or lc.use_task_rewards
+            or (engines is not None and engines.mismatch is not None))
+
+
 def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, source: PromptSource, cache=None,
              ctx: DistContext = DistContext(), engines: EngineSet | None = None):
     """Rollouts (or cached rows), teacher scores and advantages for one step; returns (StepData, metrics).
@@ -156,11 +166,14 @@ def _collect(cfg: TrainerConfig, step: int, tok, student, teacher, task: Task, s
     torch.manual_seed(cfg.train.seed * 1_000_003 + step)
     t0 = time.perf_counter()
     writer = teacher if method == "off_policy" else student
+    old = needs_sampler_logprobs(cfg, engines)  # else the sampler skips them (a log-sum-exp per token)
     ro = engines.generate_rollouts(writer, tok, prompts, n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
                                    top_k=rc.top_k, max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
-                                   batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset)
+                                   batch_size=rc.batch_size, seed=cfg.train.seed, step=step, prompt_offset=offset,
+                                   want_logprobs=old)
     t1 = time.perf_counter()
-    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sampler_logprobs=ro.sampler_logprobs)
+    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
+                    sampler_logprobs=ro.sampler_logprobs if old else None)
     if method != "rl":  # in process, a vLLM teacher engine, the teacher.url server, or routed (train/teachers.py)
         attach_scores(data, engines.teacher or teacher, ro, problems, cfg, step)
     t2 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
                        shift_for_next_token)
-from opdistill.fused import causal_lm_hidden
+from opdistill.fused import causal_lm_hidden, no_cache_kwargs
 from opdistill.loss import select_backend
 from opdistill.train.teachers import PendingScores, TeacherMetrics, routed_split
 from opdistill.train.placement import data_to
@@ -179,12 +179,14 @@ def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batc
     L = max(lengths[r] for r in rows)
     idx = torch.tensor(rows)
     autocast = torch.autocast(data.input_ids.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    no_cache = no_cache_kwargs(model)  # a training forward: no KV cache (transformers builds one by default)
     with autocast:
         if fused_lm_head:
             student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
-                                       attention_mask=data.attention_mask[idx, :L])
+                                       attention_mask=data.attention_mask[idx, :L], **no_cache)
         else:
-            student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L]).logits
+            student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L],
+                            **no_cache).logits
     if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
         student = student.float()  # bf16 autocast: the losses upcast, do it once here
     if data.pending is not None:  # a remote teacher's request ran during this forward (train/teachers.py)
