@@ -78,11 +78,7 @@ class Run:
         return sorted(steps)
 
     def values(self, step: int):
-        path = self.path / "eval" / f"step_{step:06d}.json"
-        try:
-            return values_from_json(json.loads(path.read_text()), str(path))
-        except (OSError, json.JSONDecodeError, ValueError) as e:
-            raise CompareError(f"{path}: unreadable per-problem values ({e})") from None
+        return read_values(self.path / "eval" / f"step_{step:06d}.json")
 
 
 @dataclass
@@ -217,13 +213,14 @@ def change_table(groups: list[Group], metrics: list[str], *, baseline=None, resa
     return "\n".join(lines)
 
 
-def load_baseline(path: str | Path):
-    """Per-problem values written by ``opdistill eval --values`` (or a run's ``eval/step_NNNNNN.json``)."""
+def read_values(path: str | Path, what: str | None = None):
+    """Per-problem values written by the trainer (``RUN_DIR/eval/step_NNNNNN.json``) or ``opdistill eval --values``;
+    CompareError naming ``what`` (default: the path) when unreadable."""
     path = Path(path)
     try:
         return values_from_json(json.loads(path.read_text()), str(path))
     except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise CompareError(f"--baseline {path}: unreadable per-problem values ({e})") from None
+        raise CompareError(f"{what or path}: unreadable per-problem values ({e})") from None
 
 
 def _mean_curve(runs: list[Run], metric: str) -> list[tuple[int, float, float]]:
@@ -294,12 +291,12 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     if not run_dirs:
         raise CompareError("compare: expected at least one RUN_DIR")
     runs = load_runs(run_dirs)
-    base = load_baseline(baseline) if baseline is not None else None
+    base = read_values(baseline, f"--baseline {baseline}") if baseline is not None else None
     if base is not None:  # the shared start is every run's step-0 point when the run did not evaluate it itself
-        start = {"step": 0, **summarize(base)}
+        start_row = {"step": 0, **summarize(base)}
         for r in runs:
             if not any(row.get("step") == 0 and any(k.startswith("eval/") for k in row) for row in r.rows):
-                r.rows.insert(0, start)
+                r.rows.insert(0, start_row)
     metrics = available_metrics(runs, metrics)
     groups = group_runs(runs)
     table = format_table(groups, metrics)
