@@ -162,14 +162,18 @@ def reference_per_token(cfg: dict, s_log, t_log, y, old, k: int):
 
 
 def collect_batch(cfg, tok, student, teacher, k: int):
-    """One step of real rollouts through the trainer's own ``_collect`` with both teacher signals attached."""
+    """One step of real rollouts through the trainer's own ``_collect`` with both teacher signals and the sampler's
+    log-probs attached (the policy-gradient family reads them; ``_collect`` draws them only when ``cfg``'s loss
+    needs them, and the samples are the same either way)."""
     from opdistill.data import PromptSource
     from opdistill.train.loop import _collect, build_task
     from opdistill.train.remote_teacher import score_rows
 
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
-    data, _ = _collect(cfg, 1, tok, student, teacher, task, source)
+    with_old = cfg.model_copy(update={"loss": dataclasses.replace(cfg.loss, use_policy_gradient=True)})
+    data, _ = _collect(with_old, 1, tok, student, teacher, task, source)
+    assert data.sampler_logprobs is not None
     scores = score_rows(teacher, data.input_ids, data.attention_mask, data.response_mask, k=k, sampled=True)
     data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
     return data

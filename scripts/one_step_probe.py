@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 
@@ -90,8 +91,10 @@ def main(argv=None):
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     batches = []
+    # the sampler's log-probs are drawn only when the config's loss reads them: the policy-gradient update below does
+    with_old = cfg.model_copy(update={"loss": dataclasses.replace(cfg.loss, use_policy_gradient=True)})
     for step in (1, 2):  # A: the step's batch; B: unseen prompts
-        data, _ = _collect(cfg, step, tok, student, teacher, task, source)
+        data, _ = _collect(with_old, step, tok, student, teacher, task, source)
         sc = score_rows(teacher, data.input_ids, data.attention_mask, data.response_mask, k=a.k, sampled=True)
         data.teacher_topk, data.teacher_sampled = sc.topk, sc.sampled_logprobs
         batches.append((data, teacher_logs(teacher, data)))
