@@ -19,7 +19,7 @@ over problems (token-weighted metrics stay token-weighted), with ``_lo`` / ``_hi
     eval/overlap_ratio     |teacher top-k cap student top-k| / (K tokens)
 
 The per-problem values themselves are kept as JSON (:func:`values_to_json`): the trainer writes one file per
-evaluation, ``RUN_DIR/eval/step_NNNNNN.json``, and ``opdistill eval --out`` adds them to its report, so two
+evaluation, ``RUN_DIR/eval/step_NNNNNN.json``, and ``opdistill eval --values FILE`` writes them for any checkpoint, so two
 evaluations of the same problems can be compared paired over problems (``opdistill compare``,
 :func:`opdistill.train.stats.paired_change`).
 
@@ -42,7 +42,7 @@ from opdistill.rollout import generate_rollouts
 from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
 from opdistill.train.remote_teacher import score_rows
 
-__all__ = ["EvalValues", "METRICS", "evaluate", "evaluate_values", "gather_values", "summarize", "nest_intervals",
+__all__ = ["EvalValues", "METRICS", "evaluate_values", "gather_values", "summarize", "nest_intervals",
            "values_to_json", "values_from_json"]
 
 # metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
@@ -151,7 +151,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
                     temperature: float = 1.0, max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True,
                     topk: int = 8, batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234,
                     num_samples: int = 1, prompt_offset: int = 0) -> EvalValues:
-    """The per-problem measurements of :func:`evaluate` (no statistics): see the module docstring."""
+    """The per-problem measurements of an evaluation (no statistics; :func:`summarize` turns them into metrics, and
+    ``opdistill.train.loop.run_eval`` composes both under data parallelism): see the module docstring."""
     P = len(problems)
     vals = EvalValues(problems=torch.ones(P, dtype=torch.float64))
     if not problems:
@@ -234,23 +235,6 @@ def summarize(values: EvalValues, *, resamples: int = DEFAULT_RESAMPLES, seed: i
     for name, iv in ratio_intervals(ratios, resamples=resamples, seed=seed, level=level).items():
         out[name], out[f"{name}_lo"], out[f"{name}_hi"] = iv.value, iv.lo, iv.hi
     return out
-
-
-def evaluate(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None, temperature: float = 1.0,
-             max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True, topk: int = 8,
-             batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234, num_samples: int = 1,
-             resamples: int = DEFAULT_RESAMPLES, level: float = DEFAULT_LEVEL, group=None,
-             prompt_offset: int = 0) -> dict:
-    """Evaluate on ``problems``: {metric: value, metric_lo, metric_hi} (module docstring). The bootstrap is seeded
-    with ``seed``, so an evaluation is a function of the weights and the arguments. Under data parallelism
-    (``group``) each rank passes its contiguous part of the held-out set and ``prompt_offset`` (the part's first
-    index); the per-problem values are gathered in order (:func:`gather_values`), so every rank returns what one
-    process evaluating the whole set returns (every rank must call this)."""
-    values = evaluate_values(student, tokenizer, task, problems, teacher=teacher, temperature=temperature,
-                             max_new_tokens=max_new_tokens, greedy=greedy, sampled=sampled, topk=topk,
-                             batch_size=batch_size, use_chat_template=use_chat_template, seed=seed,
-                             num_samples=num_samples, prompt_offset=prompt_offset)
-    return summarize(gather_values(values, group), resamples=resamples, seed=seed, level=level)
 
 
 def nest_intervals(metrics: dict) -> dict[str, dict]:
