@@ -142,6 +142,34 @@ def test_runs_keep_per_problem_values_and_compare_pairs_them(runs, tmp_path, cap
     assert f"{point:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}] (step 0->2)" in line
 
 
+def test_compare_pairs_groups_step_by_step(runs, tmp_path, capsys):
+    from opdistill.train.stats import paired_difference
+
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "c.png"), "--metric", "eval/teacher_kl",
+                 "--metric", "eval/sampled_acc"]) == 0
+    text = capsys.readouterr().out
+    assert "Difference from the first group at each step their runs evaluated" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| highlr - base |")]
+    assert [ln.split("|")[2].strip() for ln in rows] == ["0", "1", "2"]
+
+    def load(d, step):
+        return json.loads((d / "eval" / f"step_{step:06d}.json").read_text())
+
+    for row in rows:
+        step = int(row.split("|")[2])
+        for cell, (num, den) in zip(row.split("|")[3:5], (("k1_sum", "tokens"), ("sampled_correct", "samples"))):
+            vals = [load(d, step) for d in (runs[2], runs[0], runs[1])]  # highlr (a copy of base seed 0), base seeds
+            r = [sum(v[num]) / sum(v[den]) for v in vals]
+            point = r[0] - (r[1] + r[2]) / 2  # group means: highlr's one seed minus base's two
+            iv = paired_difference([(vals[0][num], vals[0][den])], [(v[num], v[den]) for v in vals[1:]])
+            assert cell.strip() == f"{point:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
+    # step 0: every run evaluated the same untrained student on the same problems, so the difference is exactly 0
+    assert rows[0].split("|")[3].strip() == "+0.000 [+0.000, +0.000]"
+    # one group: nothing to difference
+    assert main(["compare", str(runs[0]), "--out", str(tmp_path / "d.png")]) == 0
+    assert "Difference from the first group" not in capsys.readouterr().out
+
+
 def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys, monkeypatch):
     base = runs[0] / "eval" / "step_000000.json"
     assert main(["compare", str(runs[0]), "--out", str(tmp_path / "a.png"), "--metric", "eval/teacher_kl"]) == 0

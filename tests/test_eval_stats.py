@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opdistill.train.evaluate import METRICS, EvalValues, nest_intervals, summarize, values_from_json, values_to_json
-from opdistill.train.stats import paired_change, ratio_interval, ratio_intervals
+from opdistill.train.stats import paired_change, paired_difference, ratio_interval, ratio_intervals
 
 
 def _quantile(sorted_vals, q):
@@ -183,6 +183,61 @@ def test_paired_change_bad_inputs():
     with pytest.raises(ValueError, match=r"^before and after: every evaluation needs one value per problem of the "
                                          r"same problems, got lengths \[3, 4\]$"):
         paired_change([one], [(np.ones(4), np.ones(4))])
+
+
+def _difference_reference(a, b, resamples, seed, level=0.95):
+    """paired_difference's documented procedure, written independently with explicit index draws and loops."""
+    n = len(a[0][0])
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+    def diff(rows):
+        ra = [sum(num[i] for i in rows) / sum(den[i] for i in rows) for num, den in a]
+        rb = [sum(num[i] for i in rows) / sum(den[i] for i in rows) for num, den in b]
+        return sum(ra) / len(ra) - sum(rb) / len(rb)
+
+    vals = sorted(diff(idx[r]) for r in range(resamples))
+    return diff(range(n)), _quantile(vals, (1 - level) / 2), _quantile(vals, (1 + level) / 2)
+
+
+@pytest.mark.parametrize("seeds", [(1, 1), (2, 1), (2, 3)])
+def test_paired_difference_matches_an_independent_reference(seeds):
+    rng = np.random.default_rng(7)
+    n = 19
+    groups = []
+    for k in seeds:
+        group = []
+        for _ in range(k):
+            samples = rng.integers(1, 5, size=n).astype(float)
+            group.append((rng.binomial(samples.astype(int), 0.6).astype(float).tolist(), samples.tolist()))
+        groups.append(group)
+    iv = paired_difference(*groups, resamples=300, seed=4)
+    assert (iv.value, iv.lo, iv.hi) == pytest.approx(_difference_reference(*groups, 300, 4), rel=1e-12, abs=1e-15)
+
+
+def test_paired_difference_exact_cases_and_pairing():
+    rng = np.random.default_rng(1)
+    n = 60
+    ones = np.ones(n)
+    easy = rng.uniform(0.0, 0.9, size=n)  # per-problem accuracy, very different from problem to problem
+    same = paired_difference([(easy, ones)], [(easy, ones)])
+    assert (same.value, same.lo, same.hi) == (0.0, 0.0, 0.0)
+    up = paired_difference([(easy + 0.1, ones), (easy + 0.3, ones)], [(easy, ones)])  # mean of 2 seeds: +0.2 each
+    assert (up.value, up.lo, up.hi) == pytest.approx((0.2, 0.2, 0.2), abs=1e-12)
+    # a small noisy gain: paired, the interval is far narrower than the two groups' own intervals side by side
+    noisy = np.clip(easy + 0.05 + rng.normal(0, 0.02, size=n), 0, 1)
+    iv = paired_difference([(noisy, ones)], [(easy, ones)])
+    x, y = ratio_interval(noisy, ones), ratio_interval(easy, ones)
+    assert 0 < iv.lo < iv.value < iv.hi
+    assert iv.hi - iv.lo < 0.25 * ((x.hi - x.lo) + (y.hi - y.lo))
+
+
+def test_paired_difference_bad_inputs():
+    one = (np.ones(3), np.ones(3))
+    with pytest.raises(ValueError, match=r"^a and b: expected at least one \(num, den\) in each, got 1 and 0$"):
+        paired_difference([one], [])
+    with pytest.raises(ValueError, match=r"^a and b: every evaluation needs one value per problem of the same "
+                                         r"problems, got lengths \[3, 4\]$"):
+        paired_difference([one], [(np.ones(4), np.ones(4))])
 
 
 def test_values_json_round_trip_and_refusals():

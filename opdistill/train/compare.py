@@ -13,7 +13,10 @@ every evaluation), a second table gives each group's change from its first evalu
 problems and averaged over its seeds (:func:`opdistill.train.stats.paired_change`): e.g. ``-0.31 [-0.38, -0.24]``
 is a 31% lower metric whose 95% interval excludes 0. ``--baseline VALUES.json`` (``opdistill eval --values`` of the
 start the runs share, e.g. runs trained with ``eval.at_start: false``) is the "first evaluation" of every run, in
-that table and as the step-0 point of the curves of runs that did not evaluate step 0 themselves.
+that table and as the step-0 point of the curves of runs that did not evaluate step 0 themselves. With two or more
+groups, a third table gives each later group minus the first at every step all their runs evaluated, paired over
+problems (:func:`opdistill.train.stats.paired_difference`): e.g. on- minus off-policy greedy accuracy at step 100,
+``+0.031 [+0.004, +0.058]``.
 """
 from __future__ import annotations
 
@@ -29,10 +32,10 @@ from opdistill.errors import UserError
 from opdistill.train.evaluate import METRICS, summarize, values_from_json
 from opdistill.train.logger import read_metrics
 from opdistill.train.rundir import flatten_config
-from opdistill.train.stats import paired_change
+from opdistill.train.stats import paired_change, paired_difference
 
-__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "change_table", "plot_groups",
-           "compare"]
+__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "change_table",
+           "difference_table", "plot_groups", "compare"]
 
 DEFAULT_METRICS = ("eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/teacher_kl_k3",
                    "eval/topk_reverse_kl")
@@ -173,8 +176,15 @@ def format_table(groups: list[Group], metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> str:
+def _sums(values: list, metric: str) -> list[tuple] | None:
+    """[(num, den)] of ``metric`` for each run's values; None when a run did not measure it."""
     num, den = METRICS[metric]
+    if any(getattr(v, f) is None for v in values for f in (num, den)):
+        return None
+    return [(getattr(v, num).numpy(), getattr(v, den).numpy()) for v in values]
+
+
+def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> str:
     before, after, spans = [], [], set()
     for r in group.runs:
         steps = r.value_steps()
@@ -182,11 +192,11 @@ def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> st
             return "n/a"
         first = baseline if baseline is not None else r.values(steps[0])
         last = r.values(steps[-1])
-        if first.num_problems != last.num_problems or any(
-                getattr(v, f) is None for v in (first, last) for f in (num, den)):
+        sums = _sums([first, last], metric) if first.num_problems == last.num_problems else None
+        if sums is None:
             return "n/a"  # not the same problems (or the metric not measured): nothing to pair
-        before.append((getattr(first, num).numpy(), getattr(first, den).numpy()))
-        after.append((getattr(last, num).numpy(), getattr(last, den).numpy()))
+        before.append(sums[0])
+        after.append(sums[1])
         spans.add(("baseline" if baseline is not None else f"step {steps[0]}", steps[-1]))
     iv = paired_change(before, after, resamples=resamples)
     if not math.isfinite(iv.value):
@@ -211,6 +221,35 @@ def change_table(groups: list[Group], metrics: list[str], *, baseline=None, resa
         cells = [_change_cell(g, m, resamples, baseline) for m in metrics]
         lines.append(f"| {g.label} | {len(g.runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def difference_table(groups: list[Group], metrics: list[str], *, resamples: int = 1000) -> str | None:
+    """Markdown: each later group minus the first (mean over each group's seeds), at every step where all their runs
+    kept per-problem values of the same problems, paired over problems [95% interval]; None when there is no such
+    step (or only one group)."""
+    metrics = [m for m in metrics if m in METRICS]
+    if len(groups) < 2 or not metrics:
+        return None
+    ref = groups[0]
+    lines = []
+    for g in groups[1:]:
+        runs = [*g.runs, *ref.runs]
+        for step in sorted(set.intersection(*(set(r.value_steps()) for r in runs))):
+            values = [r.values(step) for r in runs]
+            if len({v.num_problems for v in values}) != 1:
+                continue  # not the same problems: nothing to pair
+            cells = []
+            for m in metrics:
+                sums = _sums(values, m)
+                iv = None if sums is None else paired_difference(sums[:len(g.runs)], sums[len(g.runs):],
+                                                                 resamples=resamples)
+                cells.append("n/a" if iv is None or not math.isfinite(iv.value)
+                             else f"{iv.value:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
+            lines.append(f"| {g.label} - {ref.label} | {step} | " + " | ".join(cells) + " |")
+    if not lines:
+        return None
+    head = ["| difference | step | " + " | ".join(metrics) + " |", "|" + "---|" * (2 + len(metrics))]
+    return "\n".join(head + lines)
 
 
 def read_values(path: str | Path, what: str | None = None):
@@ -305,5 +344,9 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
         start = "the baseline" if baseline is not None else "the first evaluation"
         table += (f"\n\nRelative change from {start} to the last evaluation (paired over problems, mean over seeds, "
                   "95% interval):\n\n" + change)
+    difference = difference_table(groups, metrics)
+    if difference is not None:
+        table += ("\n\nDifference from the first group at each step their runs evaluated (paired over problems, mean "
+                  "over each group's seeds, 95% interval):\n\n" + difference)
     png = plot_groups(groups, metrics, out if out is not None else Path(run_dirs[0]) / "compare.png", title=title)
     return {"table": table, "png": png, "groups": {g.label: [str(r.path) for r in g.runs] for g in groups}}

@@ -12,7 +12,9 @@ resample b), and the interval is the ``(1 - level) / 2`` and ``(1 + level) / 2``
 :func:`paired_change` compares evaluations of the SAME problems (a run before and after training, over one or more
 seeds): the relative change of the ratio, ``mean over seeds s of R_after_s / R_before_s - 1``, where every R is a
 ratio of sums; each resample draws one set of problems and recomputes every R on it, so the interval is paired (the
-problem-to-problem variation common to before and after cancels).
+problem-to-problem variation common to before and after cancels). :func:`paired_difference` compares two groups
+of runs evaluated on the same problems (e.g. on- and off-policy at one step): ``mean_s R_a_s - mean_t R_b_t``, paired
+the same way.
 
 The point estimate is the ratio on the problems as they are; a percentile interval is not centred on it and, for a
 very skewed statistic on very few problems, need not contain it.
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals", "paired_change"]
+__all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals", "paired_change",
+           "paired_difference"]
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
@@ -98,6 +101,27 @@ def ratio_intervals(ratios: dict[str, tuple], *, resamples: int = DEFAULT_RESAMP
     return {name: _interval(num, den, counts, level) for name, (num, den) in ratios.items()}
 
 
+def _paired(evals: list[tuple], statistic, level: float, resamples: int, seed: int, what: str) -> Interval:
+    """``statistic`` (a function of one ratio per evaluation, each a scalar or a [resamples] array) on the problems as
+    they are, with its percentile interval over resamples that draw one set of problems for every evaluation."""
+    pairs = [(np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)) for num, den in evals]
+    for num, den in pairs:
+        _check(num, den, level)
+    n = {len(num) for num, _ in pairs}
+    if len(n) != 1:
+        raise ValueError(f"{what}: every evaluation needs one value per problem of the same problems, got "
+                         f"lengths {sorted(n)}")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        point = float(statistic([num.sum() / den.sum() for num, den in pairs]))
+        counts = bootstrap_counts(n.pop(), resamples, seed)
+        vals = np.asarray(statistic([(counts @ num) / (counts @ den) for num, den in pairs]))
+    vals = vals[np.isfinite(vals)]
+    if vals.size == 0:
+        return Interval(point, float("nan"), float("nan"))
+    lo, hi = np.quantile(vals, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(point, float(lo), float(hi))
+
+
 def paired_change(before: list[tuple], after: list[tuple], *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
                   level: float = DEFAULT_LEVEL) -> Interval:
     """Relative change of a ratio metric on the same problems, paired over problems (module docstring).
@@ -109,25 +133,21 @@ def paired_change(before: list[tuple], after: list[tuple], *, resamples: int = D
     if not before or len(before) != len(after):
         raise ValueError(f"before and after: expected one (num, den) per seed for each, the same number of seeds, got "
                          f"{len(before)} and {len(after)}")
-    pairs = [(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)) for a, b in [*before, *after]]
-    for num, den in pairs:
-        _check(num, den, level)
-    n = {len(num) for num, _ in pairs}
-    if len(n) != 1:
-        raise ValueError(f"before and after: every evaluation needs one value per problem of the same problems, got "
-                         f"lengths {sorted(n)}")
     k = len(before)
+    return _paired([*before, *after], lambda r: np.mean([r[k + s] / r[s] for s in range(k)], axis=0) - 1.0,
+                   level, resamples, seed, "before and after")
 
-    def change(sums: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = [num / den for num, den in sums]  # each [resamples] (or scalar)
-            return np.mean([r[k + s] / r[s] for s in range(k)], axis=0) - 1.0
 
-    point = float(change([(num.sum(), den.sum()) for num, den in pairs]))
-    counts = bootstrap_counts(n.pop(), resamples, seed)
-    vals = change([(counts @ num, counts @ den) for num, den in pairs])
-    vals = vals[np.isfinite(vals)]
-    if vals.size == 0:
-        return Interval(point, float("nan"), float("nan"))
-    lo, hi = np.quantile(vals, [(1 - level) / 2, (1 + level) / 2])
-    return Interval(point, float(lo), float(hi))
+def paired_difference(a: list[tuple], b: list[tuple], *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                      level: float = DEFAULT_LEVEL) -> Interval:
+    """Difference of a ratio metric between two groups of evaluations of the same problems, paired over problems.
+
+    ``a`` and ``b``: one ``(num, den)`` per seed of each group (the counts may differ; seeds are not paired). Returns
+    ``mean_s R_a_s - mean_t R_b_t`` (e.g. accuracy 0.05 higher in ``a``) with its percentile-bootstrap interval: each
+    resample draws one set of problems and recomputes every R on it, so the difficulty of the problems drawn, common
+    to both groups, cancels; resamples where a ratio is undefined are left out of the quantiles."""
+    if not a or not b:
+        raise ValueError(f"a and b: expected at least one (num, den) in each, got {len(a)} and {len(b)}")
+    k = len(a)
+    return _paired([*a, *b], lambda r: np.mean(r[:k], axis=0) - np.mean(r[k:], axis=0), level, resamples, seed,
+                   "a and b")
