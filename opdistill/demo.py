@@ -14,7 +14,9 @@ evaluation excluded):
 step and is evaluated on the same held-out problems: greedy and sampled accuracy, and teacher-KL (the student's
 per-token reverse KL to the teacher on its own samples). The table reports each method at the end of the budget
 (equal wall time, with the 95% interval of each run's final value: a bootstrap over the held-out problems) and at
-the same step count (the fewest steps any method reached, rounded down to the eval grid). ``demo.png`` next to the
+the same step count (the fewest steps any method reached, rounded down to the eval grid), and each method's
+difference from on-policy distillation paired over the held-out problems (mean over seeds, with its 95% interval: the
+problems' difficulty, common to every run, cancels). ``demo.png`` next to the
 table draws held-out greedy accuracy and teacher-KL vs training time and vs step: each seed thin with its interval
 band, the mean over seeds bold (``opdistill compare``'s plotting).
 """
@@ -27,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from opdistill.train.compare import Group, load_runs, plot_groups
+from opdistill.train.compare import Group, load_runs, metric_sums, plot_groups, read_values
+from opdistill.train.stats import paired_difference
 from opdistill.train.config import load_config
 from opdistill.train.loop import run_eval, build_task, load_models, run_training
 from opdistill.data import PromptSource
 
-__all__ = ["demo_config", "run_demo", "format_table", "demo_figure"]
+__all__ = ["demo_config", "run_demo", "format_table", "demo_figure", "method_differences"]
 
 METHODS = ("on_policy", "off_policy", "rl")
 # Learning rates per method, from a one-seed 40 s sweep on this task (docs/demo.md): the distillation losses did best
@@ -65,6 +68,32 @@ def _at(history: list[dict], step: int) -> dict:
     raise KeyError(step)
 
 
+DIFFERENCE_METRICS = {"acc": "eval/greedy_acc", "kl": "eval/teacher_kl"}
+
+
+def method_differences(out_dir: Path, runs: dict[str, list[dict]], s_eq: int) -> dict:
+    """Each later method minus the first, on the same held-out problems, paired over problems, mean over seeds:
+    ``{method: {"acc": [value, lo, hi], "acc_eq": ..., "kl": ..., "kl_eq": ...}}`` at equal time (each run's last
+    evaluation) and at step ``s_eq``, from the per-problem values every run kept (RUN_DIR/eval)."""
+    def sums(method: str, key: str, at_eq: bool) -> list[tuple]:
+        out = []
+        for r in runs[method]:
+            step = s_eq if at_eq else r["history"][-1]["step"]
+            values = read_values(out_dir / f"{method}-seed{r['seed']}" / "eval" / f"step_{step:06d}.json")
+            out += metric_sums([values], DIFFERENCE_METRICS[key])
+        return out
+
+    ref, *others = list(runs)
+    diffs = {}
+    for method in others:
+        diffs[method] = {}
+        for key in DIFFERENCE_METRICS:
+            for at_eq in (False, True):
+                iv = paired_difference(sums(method, key, at_eq), sums(ref, key, at_eq))
+                diffs[method][key + ("_eq" if at_eq else "")] = [iv.value, iv.lo, iv.hi]
+    return diffs
+
+
 def format_table(results: dict) -> str:
     """Markdown table of the demo results (see run_demo for the layout of ``results``)."""
     s_eq = results["equal_steps"]
@@ -87,6 +116,15 @@ def format_table(results: dict) -> str:
                 f"{r['sacc0']:.3f} -> {r['sacc']:.3f} | {r['kl0']:.3f} -> {r['kl']:.3f}{_ci(r, 'kl')} | "
                 f"{r['acc_eq']:.3f} | {r['kl_eq']:.3f} |"
             )
+    if results.get("differences"):
+        ref = results["methods"][0]
+        lines += ["", f"Each method minus {ref} on the same {results['eval_prompts']} problems (paired over problems, "
+                      "mean over seeds, [95% interval]):", "",
+                  f"| difference | greedy acc, equal time | greedy acc @ step {s_eq} | teacher-KL, equal time "
+                  f"| teacher-KL @ step {s_eq} |", "|---|---|---|---|---|"]
+        for method, d in results["differences"].items():
+            cells = [f"{d[k][0]:+.3f} [{d[k][1]:+.3f}, {d[k][2]:+.3f}]" for k in ("acc", "acc_eq", "kl", "kl_eq")]
+            lines.append(f"| {method} - {ref} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -167,6 +205,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
             })
     results = {"teacher": teacher_eval, "budget_s": budget_s, "seeds": list(seeds), "methods": list(methods),
                "eval_prompts": eval_prompts, "equal_steps": s_eq, "runs": table_runs,
+               "differences": method_differences(out_dir, runs, s_eq),
                "histories": {m: {str(s): h for s, h in hs.items()} for m, hs in histories.items()},
                "total_wall_s": time.time() - t_start, "threads": threads}
     table = format_table(results)

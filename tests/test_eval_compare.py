@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 
@@ -343,3 +344,46 @@ def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, bud
         assert got[key].tolist() == pytest.approx(expected, rel=1e-4, abs=1e-5), key
     assert vals.overlap_slots.tolist() == [K * n for n in ref["tokens"]]
     assert vals.greedy_correct.shape == (3,) and set(vals.greedy_correct.tolist()) <= {0.0, 1.0}
+
+
+def test_demo_method_differences_from_kept_values(tmp_path):
+    """Each later method minus the first, at equal time (each run's last evaluation) and at the equal step, mean over
+    seeds, from hand-written per-problem values: the point is the difference of the accuracies and KLs as written."""
+    from opdistill.demo import method_differences
+    from opdistill.train.stats import paired_difference
+
+    rng = np.random.default_rng(0)
+    n = 30
+    last = {("on_policy", 0): 12, ("on_policy", 1): 14, ("off_policy", 0): 10, ("off_policy", 1): 10}
+    written = {}
+    for (method, seed), end in last.items():
+        for step in (10, end):
+            correct = (rng.uniform(size=n) < (0.7 if method == "on_policy" else 0.4)).astype(float)
+            tokens = rng.integers(5, 40, size=n).astype(float)
+            kl = rng.uniform(0, 2, size=n) * tokens
+            written[method, seed, step] = (correct, tokens, kl)
+            folder = tmp_path / f"{method}-seed{seed}" / "eval"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"step_{step:06d}.json").write_text(json.dumps(
+                {"problems": [1.0] * n, "greedy_correct": correct.tolist(), "tokens": tokens.tolist(),
+                 "k1_sum": kl.tolist()}))
+    runs = {m: [{"seed": s, "history": [{"step": 0}, {"step": 10}, {"step": last[m, s]}]} for s in (0, 1)]
+            for m in ("on_policy", "off_policy")}
+    diffs = method_differences(tmp_path, runs, s_eq=10)
+    assert set(diffs) == {"off_policy"}
+
+    def at(method, step_of, which):
+        out = []
+        for s in (0, 1):
+            correct, tokens, kl = written[method, s, step_of(method, s)]
+            out.append((correct, np.ones(n)) if which == "acc" else (kl, tokens))
+        return out
+
+    for key, step_of in (("acc", lambda m, s: last[m, s]), ("acc_eq", lambda m, s: 10),
+                         ("kl", lambda m, s: last[m, s]), ("kl_eq", lambda m, s: 10)):
+        which = "acc" if key.startswith("acc") else "kl"
+        a, b = at("off_policy", step_of, which), at("on_policy", step_of, which)
+        point = sum(x.sum() / y.sum() for x, y in a) / 2 - sum(x.sum() / y.sum() for x, y in b) / 2
+        iv = paired_difference(a, b)
+        assert diffs["off_policy"][key] == pytest.approx([point, iv.lo, iv.hi], abs=1e-12)
+    assert diffs["off_policy"]["acc"][0] < -0.1  # written with 0.4 vs 0.7 accuracy: off-policy clearly behind

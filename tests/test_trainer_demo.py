@@ -1,7 +1,10 @@
 """`opdistill demo` end to end at a tiny budget: packaged models load, every method runs, the table is written."""
 import json
 
+import pytest
+
 from opdistill.demo import run_demo
+from opdistill.train.stats import paired_difference
 from opdistill.models import load_model
 from opdistill.train.loop import resolve_model_path
 
@@ -30,3 +33,20 @@ def test_demo_runs_and_writes_the_table(tmp_path):
         r["steps"] for rs in saved["runs"].values() for r in rs)
     for method in ("on_policy", "off_policy", "rl"):
         assert (tmp_path / f"{method}-seed0" / "metrics.jsonl").exists()
+    # each method minus on-policy, paired over the same held-out problems, from the values every run kept
+    assert set(saved["differences"]) == {"off_policy", "rl"}
+
+    def acc(method, step):  # (correct, problems) of one evaluation, read back from the run's values file
+        v = json.loads((tmp_path / f"{method}-seed0" / "eval" / f"step_{step:06d}.json").read_text())
+        return v["greedy_correct"], v["problems"]
+
+    last = {m: saved["histories"][m]["0"][-1]["step"] for m in saved["methods"]}
+    s_eq = saved["equal_steps"]
+    for method in ("off_policy", "rl"):
+        d = saved["differences"][method]
+        for key, a, b in (("acc", acc(method, last[method]), acc("on_policy", last["on_policy"])),
+                          ("acc_eq", acc(method, s_eq), acc("on_policy", s_eq))):
+            point = sum(a[0]) / sum(a[1]) - sum(b[0]) / sum(b[1])
+            iv = paired_difference([a], [b])
+            assert d[key] == pytest.approx([point, iv.lo, iv.hi], abs=1e-12)
+    assert "| off_policy - on_policy |" in table and "| rl - on_policy |" in table

@@ -34,8 +34,8 @@ from opdistill.train.logger import read_metrics
 from opdistill.train.rundir import flatten_config
 from opdistill.train.stats import paired_change, paired_difference
 
-__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "change_table",
-           "difference_table", "plot_groups", "compare"]
+__all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "metric_sums",
+           "change_table", "difference_table", "plot_groups", "compare"]
 
 DEFAULT_METRICS = ("eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/teacher_kl_k3",
                    "eval/topk_reverse_kl")
@@ -176,7 +176,7 @@ def format_table(groups: list[Group], metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _sums(values: list, metric: str) -> list[tuple] | None:
+def metric_sums(values: list, metric: str) -> list[tuple] | None:
     """[(num, den)] of ``metric`` for each run's values; None when a run did not measure it."""
     num, den = METRICS[metric]
     if any(getattr(v, f) is None for v in values for f in (num, den)):
@@ -192,7 +192,7 @@ def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> st
             return "n/a"
         first = baseline if baseline is not None else r.values(steps[0])
         last = r.values(steps[-1])
-        sums = _sums([first, last], metric) if first.num_problems == last.num_problems else None
+        sums = metric_sums([first, last], metric) if first.num_problems == last.num_problems else None
         if sums is None:
             return "n/a"  # not the same problems (or the metric not measured): nothing to pair
         before.append(sums[0])
@@ -240,7 +240,7 @@ def difference_table(groups: list[Group], metrics: list[str], *, resamples: int 
                 continue  # not the same problems: nothing to pair
             cells = []
             for m in metrics:
-                sums = _sums(values, m)
+                sums = metric_sums(values, m)
                 iv = None if sums is None else paired_difference(sums[:len(g.runs)], sums[len(g.runs):],
                                                                  resamples=resamples)
                 cells.append("n/a" if iv is None or not math.isfinite(iv.value)
