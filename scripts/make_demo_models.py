@@ -6,7 +6,7 @@ Both models are character-level Llamas on the ``carry_add`` task (see opdistill/
 supervised next-token cross-entropy on the worked solutions:
 
 - teacher: 4 layers, hidden 128 -- trained until greedy held-out accuracy >= --teacher-target (or --teacher-steps);
-- student start: 2 layers, hidden 64 -- trained only until its greedy accuracy first reaches --student-target, so the
+- student start: 2 layers, hidden 128 -- trained only until its greedy accuracy first reaches --student-target, so the
   demo's methods start from a student that knows the answer format but gets most problems wrong.
 
 Weights are stored in float16 (each file well under 2 MB) and loaded back as float32; the accuracies printed at the
@@ -90,6 +90,10 @@ def main():
     ap.add_argument("--teacher-target", type=float, default=0.99)
     ap.add_argument("--student-steps", type=int, default=2000)
     ap.add_argument("--student-target", type=float, default=0.15)
+    ap.add_argument("--student-layers", type=int, default=STUDENT["num_layers"],
+                    help="a smaller student (e.g. 1 layer, hidden 64) for a larger capacity gap to the teacher")
+    ap.add_argument("--student-hidden", type=int, default=STUDENT["hidden_size"],
+                    help="the student's hidden size; its MLP is twice that")
     ap.add_argument("--only", choices=["teacher", "student"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,8 +104,10 @@ def main():
     out = Path(args.out)
     meta = out / "README.json"
     info = json.loads(meta.read_text())["models"] if meta.exists() else {}
+    student = dict(STUDENT, num_layers=args.student_layers, hidden_size=args.student_hidden,
+                   intermediate_size=2 * args.student_hidden)
     specs = [("teacher", TEACHER, args.teacher_steps, 3e-3, args.teacher_target, 100),
-             ("student", STUDENT, args.student_steps, 2e-3, args.student_target, 25)]
+             ("student", student, args.student_steps, 2e-3, args.student_target, 25)]
     for label, spec, steps, lr, target, every in specs:
         if args.only and label != args.only:
             continue
