@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from opdistill.train.compare import Group, load_runs, metric_sums, plot_groups, read_values
-from opdistill.train.stats import paired_difference
 from opdistill.train.config import load_config
 from opdistill.train.loop import run_eval, build_task, load_models, run_training
+from opdistill.train.stats import paired_difference
 from opdistill.data import PromptSource
 
 __all__ = ["demo_config", "run_demo", "format_table", "demo_figure", "method_differences"]

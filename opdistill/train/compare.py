@@ -15,8 +15,8 @@ is a 31% lower metric whose 95% interval excludes 0. ``--baseline VALUES.json`` 
 start the runs share, e.g. runs trained with ``eval.at_start: false``) is the "first evaluation" of every run, in
 that table and as the step-0 point of the curves of runs that did not evaluate step 0 themselves. With two or more
 groups, a third table gives each later group minus the first at every step all their runs evaluated, paired over
-problems (:func:`opdistill.train.stats.paired_difference`): e.g. on- minus off-policy greedy accuracy at step 100,
-``+0.031 [+0.004, +0.058]``.
+problems (:func:`opdistill.train.stats.paired_difference`): e.g. on- minus off-policy greedy accuracy at step 150,
+``-0.058 [-0.088, -0.031]`` (docs/demo.md: off-policy ahead there, resolved).
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def format_table(groups: list[Group], metrics: list[str]) -> str:
 
 
 def metric_sums(values: list, metric: str) -> list[tuple] | None:
-    """[(num, den)] of ``metric`` for each run's values; None when a run did not measure it."""
+    """[(num, den)] of ``metric`` for each evaluation's per-problem values; None when one did not measure it."""
     num, den = METRICS[metric]
     if any(getattr(v, f) is None for v in values for f in (num, den)):
         return None
