@@ -4,9 +4,9 @@ import json
 import pytest
 
 from opdistill.demo import run_demo
-from opdistill.train.stats import paired_difference
 from opdistill.models import load_model
 from opdistill.train.loop import resolve_model_path
+from opdistill.train.stats import paired_difference
 
 
 def test_packaged_demo_models_are_small_and_load():
