@@ -75,13 +75,11 @@ def method_differences(out_dir: Path, runs: dict[str, list[dict]], s_eq: int) ->
     """Each later method minus the first, on the same held-out problems, paired over problems, mean over seeds:
     ``{method: {"acc": [value, lo, hi], "acc_eq": ..., "kl": ..., "kl_eq": ...}}`` at equal time (each run's last
     evaluation) and at step ``s_eq``, from the per-problem values every run kept (RUN_DIR/eval)."""
-    def sums(method: str, key: str, at_eq: bool) -> list[tuple]:
-        out = []
-        for r in runs[method]:
-            step = s_eq if at_eq else r["history"][-1]["step"]
-            values = read_values(out_dir / f"{method}-seed{r['seed']}" / "eval" / f"step_{step:06d}.json")
-            out += metric_sums([values], DIFFERENCE_METRICS[key])
-        return out
+    def values(method: str, at_eq: bool) -> list:  # one evaluation per seed, each file read once
+        return [read_values(out_dir / f"{method}-seed{r['seed']}" / "eval" /
+                            f"step_{s_eq if at_eq else r['history'][-1]['step']:06d}.json") for r in runs[method]]
+
+    kept = {(m, at_eq): values(m, at_eq) for m in runs for at_eq in (False, True)}
 
     ref, *others = list(runs)
     diffs = {}
@@ -89,7 +87,8 @@ def method_differences(out_dir: Path, runs: dict[str, list[dict]], s_eq: int) ->
         diffs[method] = {}
         for key in DIFFERENCE_METRICS:
             for at_eq in (False, True):
-                iv = paired_difference(sums(method, key, at_eq), sums(ref, key, at_eq))
+                iv = paired_difference(metric_sums(kept[method, at_eq], DIFFERENCE_METRICS[key]),
+                                       metric_sums(kept[ref, at_eq], DIFFERENCE_METRICS[key]))
                 diffs[method][key + ("_eq" if at_eq else "")] = [iv.value, iv.lo, iv.hi]
     return diffs
 

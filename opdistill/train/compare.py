@@ -54,6 +54,7 @@ class Run:
     config: dict | None
     rows: list[dict]
     seed: object = None
+    _values: dict = field(default_factory=dict, repr=False)  # step -> EvalValues, each file read once
 
     def curve(self, metric: str) -> list[dict]:
         """[{step, time, value, lo, hi}] of the evaluation rows holding ``metric`` (lo/hi None when not logged)."""
@@ -81,7 +82,9 @@ class Run:
         return sorted(steps)
 
     def values(self, step: int):
-        return read_values(self.path / "eval" / f"step_{step:06d}.json")
+        if step not in self._values:
+            self._values[step] = read_values(self.path / "eval" / f"step_{step:06d}.json")
+        return self._values[step]
 
 
 @dataclass
