@@ -7,7 +7,7 @@ types are also ``ValueError`` so library callers that catch ``ValueError`` keep 
 """
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError"]
+__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RunError", "RunWarning"]
 
 
 class UserError(Exception):
@@ -38,3 +38,14 @@ class IncompatibleModelsError(UserError, ValueError):
     """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
 
     kind = "model error"
+
+
+class RunError(UserError):
+    """A refusal of the run directory, a checkpoint or the run's state; the message is one line naming the file or
+    key and the fix. The CLI prints it and exits 2."""
+
+    kind = "run error"
+
+
+class RunWarning(UserWarning):
+    """Something in the run directory was skipped or repaired (a corrupt checkpoint, a stray folder, a torn line)."""

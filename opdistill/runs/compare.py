@@ -10,12 +10,12 @@ figure draws each seed thin with its interval band and the group's mean bold. Ev
 
 When the runs kept their per-problem evaluation values (``RUN_DIR/eval/step_NNNNNN.json``, written by the trainer at
 every evaluation), a second table gives each group's change from its first evaluation to its last, paired over
-problems and averaged over its seeds (:func:`opdistill.train.stats.paired_change`): e.g. ``-0.31 [-0.38, -0.24]``
+problems and averaged over its seeds (:func:`opdistill.runs.stats.paired_change`): e.g. ``-0.31 [-0.38, -0.24]``
 is a 31% lower metric whose 95% interval excludes 0. ``--baseline VALUES.json`` (``opdistill eval --values`` of the
 start the runs share, e.g. runs trained with ``eval.at_start: false``) is the "first evaluation" of every run, in
 that table and as the step-0 point of the curves of runs that did not evaluate step 0 themselves. With two or more
 groups, a third table gives each later group minus the first at every step all their runs evaluated, paired over
-problems (:func:`opdistill.train.stats.paired_difference`): e.g. on- minus off-policy greedy accuracy at step 150,
+problems (:func:`opdistill.runs.stats.paired_difference`): e.g. on- minus off-policy greedy accuracy at step 150,
 ``-0.058 [-0.088, -0.031]`` (docs/demo.md: off-policy ahead there, resolved).
 """
 from __future__ import annotations
@@ -29,10 +29,9 @@ from pathlib import Path
 import yaml
 
 from opdistill.errors import UserError
-from opdistill.train.evaluate import METRICS, summarize, values_from_json
-from opdistill.train.logger import read_metrics
-from opdistill.train.rundir import flatten_config
-from opdistill.train.stats import paired_change, paired_difference
+from opdistill.runs.files import flatten_config, read_metrics
+from opdistill.runs.stats import paired_change, paired_difference
+from opdistill.runs.values import METRICS, summarize, values_from_json
 
 __all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "metric_sums",
            "change_table", "difference_table", "plot_groups", "compare"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opdistill.train.logger import read_metrics
-from opdistill.train.rundir import RunError
+from opdistill.errors import RunError
+from opdistill.runs.files import read_metrics
 
 __all__ = ["PANELS", "plot_run"]
 

@@ -1,0 +1,51 @@
+"""Reading a run directory's files back: ``metrics.jsonl`` (and any JSON-lines file written by appends) and the
+resolved config as dotted keys. The trainer (``opdistill.train``) writes these files; everything that reads a run
+after the fact (``compare``, ``plot``, resume) reads them through here."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from opdistill.errors import RunError, RunWarning
+
+__all__ = ["read_jsonl", "read_metrics", "flatten_config"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file written by appends. A last line that does not parse is a write torn by a kill: it is
+    dropped with a :class:`RunWarning`; a bad line before the last is corruption and raises :class:`RunError`."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: line {i + 1} is torn (a write cut off by a kill?); it is ignored and will be "
+                              f"cut off on resume", RunWarning, stacklevel=2)
+                break
+            raise RunError(f"{path}: line {i + 1} is not JSON ({e.msg}); the file is corrupt") from e
+    return rows
+
+
+def flatten_config(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as ``{"section.key": value}`` (an empty dict stays a value)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl (a torn last line is dropped with a ``RunWarning``)."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
