@@ -3,7 +3,7 @@
 Layers, lowest first; each imports only the layers before it (docs/architecture.md, tests/test_layering.py):
 ``ops`` (per-token math) -> ``batch``/``metrics`` (aggregation over one optimizer step) and ``parallel``/``fused``
 (variants of the ops) -> ``loss`` (teacher signals, config, the back-end dispatch, the loss) and this package root
--> models, data, engines, rollout, teacher -> ``train`` -> ``demo`` -> ``cli``.
+-> models, data, engines, teachers -> runs -> ``train``, ``serve`` -> ``demo`` -> ``cli``.
 """
 
 from .fused import StudentHidden, TeacherHidden
@@ -11,8 +11,10 @@ from .batch import AGG_MODES, GlobalBatch, aggregate, pack, response_logits_slic
 from .loss import (
     DistillationConfig,
     DistillationLoss,
+    PolicyGradientLoss,
     TeacherLogits,
     TeacherSampled,
+    TeacherScores,
     TeacherTopK,
     policy_gradient_loss,
 )
@@ -37,9 +39,11 @@ __all__ = [
     "ESTIMATORS",
     "GlobalBatch",
     "MetricSums",
+    "PolicyGradientLoss",
     "TAIL_MASS_EPS",
     "TeacherLogits",
     "TeacherSampled",
+    "TeacherScores",
     "TeacherTopK",
     "StudentHidden",
     "TeacherHidden",

@@ -14,17 +14,18 @@ refuses to run without a ``GlobalBatch``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from ..batch import GlobalBatch, aggregate
 from ..metrics import MetricSums
 from ..ops.checks import check_float, check_mask
-from ..ops.policy import ppo_clip_loss
+from ..ops.policy import check_clip_ratios, ppo_clip_loss
 from ..ops.sampled import sampled_token_kl
 from .backend import Backend, select_backend
 from .config import DistillationConfig
-from .signals import SIGNAL_FOR_MODE, TeacherLogits, TeacherSampled, TeacherTopK
+from .signals import SIGNAL_FOR_MODE, TeacherLogits, TeacherSampled, TeacherScores, TeacherTopK
 
 
 def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -69,6 +70,22 @@ def policy_gradient_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """One micro-batch's inputs as ``DistillationLoss`` reads them, checked once at the entry (``_check``)."""
+
+    backend: Backend
+    student: object  # logits [..., V] (or this rank's shard) or a StudentHidden
+    teacher: object  # the loss mode's teacher signal
+    mask: torch.Tensor  # [...] bool
+    batch: GlobalBatch
+    sampled_ids: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
+    task_advantages: torch.Tensor | None
+    weights: torch.Tensor | None  # [...] float64, 0 where masked (token_weights)
+    agg: dict  # the aggregation's keyword arguments (mode, clip ratios, cu_seqlens, group)
+
+
 class DistillationLoss:
     """Callable computing one micro-batch's distillation loss and its exact metrics (see module docstring)."""
 
@@ -78,15 +95,35 @@ class DistillationLoss:
         logit shards are padded.  Neither: one device (DTensor logits carry their own mesh)."""
         if not isinstance(config, DistillationConfig):
             raise TypeError(f"config must be a DistillationConfig, got {type(config).__name__}")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-            raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+        _check_vocab_size(vocab_size)
         self.config = config
         self.vocab_group = vocab_group
         self.vocab_size = vocab_size
 
+    @property
+    def loss_scale_factor(self) -> float | None:
+        """The fixed divisor of ``seq-mean-token-sum-norm`` (what ``GlobalBatch`` records), else None."""
+        return self.config.loss_scale_factor
+
     def backend(self, student) -> Backend:
         """The back-end this loss runs ``student`` on (``select_backend``)."""
         return select_backend(student, vocab_group=self.vocab_group, vocab_size=self.vocab_size)
+
+    def signal(self, scores: TeacherScores | None):
+        """What this loss reads of a teacher's ``scores`` (``opdistill.teachers``): the top-k for loss_mode topk,
+        the sampled tokens' log-probs for sampled."""
+        mode = self.config.loss_mode
+        got = None if scores is None else {"topk": scores.topk, "sampled": scores.sampled_logprobs}.get(mode)
+        if got is None:
+            what = {"topk": "top-k", "sampled": "sampled-token log-probs"}.get(mode, "full distribution")
+            raise ValueError(f"loss_mode={mode!r} reads the teacher's {what}, which these teacher scores do not hold")
+        return got if mode == "topk" else TeacherSampled(got)
+
+    def token_logprobs(self, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float | None = None):
+        """The student's log-probs of ``ids`` where ``mask`` (0 elsewhere) at ``temperature`` (default the loss's),
+        on this loss's back-end: what a trainer compares with its sampler's log-probs."""
+        tau = self.config.temperature if temperature is None else temperature
+        return self.backend(student).masked_token_logprobs(student, ids, check_mask(mask, "mask"), temperature=tau)
 
     def __call__(self, student, teacher: TeacherTopK | TeacherSampled | TeacherLogits, mask: torch.Tensor,
                  batch: GlobalBatch, *, sampled_ids: torch.Tensor | None = None,
@@ -97,18 +134,26 @@ class DistillationLoss:
 
         student: logits ``[..., V]`` (or this rank's vocabulary shard, see ``__init__``), or a ``StudentHidden``
             (final hidden states plus lm_head, e.g. from ``opdistill.fused.causal_lm_hidden``: the fused back-end,
-            same numbers, no ``[..., V]`` logits).  loss_mode sampled also takes the student's log-probs of the
-            sampled tokens ``[...]`` as a tensor (a ``StudentHidden`` then needs ``sampled_ids``).
+            same numbers, no ``[..., V]`` logits).
         teacher: ``TeacherTopK`` / ``TeacherSampled`` / ``TeacherLogits`` for loss_mode topk / sampled / full
             (full with a ``StudentHidden``: a ``TeacherHidden``).
         mask ``[...]``: 1 where row t predicts a response token.  group: the data-parallel group of ``batch``.
-        sampled_ids ``[...]``: the sampled tokens (policy gradient / task rewards, sampled mode from hidden states).
+        sampled_ids ``[...]``: the sampled tokens (loss_mode sampled, policy gradient, task rewards).
         old_logprobs ``[...]``: the sampler's log-probs (policy gradient / task rewards).
         task_advantages ``[...]``: per-token task advantages (use_task_rewards).
         token_weights ``[...]``: per-token weights (detached; truncated importance sampling, docs/engines.md): each
             token's distillation loss (or policy-gradient surrogate) and task surrogate is multiplied by its weight
             before the aggregation; the metrics stay unweighted.
         """
+        x = self._check(student, teacher, mask, batch, sampled_ids, old_logprobs, task_advantages, cu_seqlens, group,
+                        token_weights)
+        metrics = MetricSums()
+        per_token, logprob, precomputed = self._terms(x, metrics)
+        return self._objective(x, per_token, logprob, precomputed, metrics)
+
+    # -- the entry: every input checked once ----------------------------------------------------------------------
+    def _check(self, student, teacher, mask, batch, sampled_ids, old_logprobs, task_advantages, cu_seqlens, group,
+               token_weights) -> _Inputs:
         cfg = self.config
         if not isinstance(batch, GlobalBatch):
             raise TypeError(
@@ -116,13 +161,11 @@ class DistillationLoss:
                 "with GlobalBatch.from_masks(all micro-batch masks, group=...)"
             )
         backend = self.backend(student)
-        given_logprobs = cfg.loss_mode == "sampled" and isinstance(student, torch.Tensor)
         expected = backend.full_teacher if cfg.loss_mode == "full" else SIGNAL_FOR_MODE[cfg.loss_mode]
         if not isinstance(teacher, expected):
-            raise TypeError(f"loss_mode={cfg.loss_mode!r} needs teacher={expected.__name__}(...), got {type(teacher).__name__}")
-        if given_logprobs:
-            check_float(student, "student")
-        lead = student.shape if given_logprobs else backend.tokens(student)
+            raise TypeError(f"loss_mode={cfg.loss_mode!r} needs teacher={expected.__name__}(...), got "
+                            f"{type(teacher).__name__}")
+        lead = backend.tokens(student)
         m = check_mask(mask, "mask")
         if m.shape != lead:
             raise ValueError(f"mask must have shape {tuple(lead)} (the token dims of student), got {tuple(m.shape)}")
@@ -131,12 +174,78 @@ class DistillationLoss:
             raise ValueError("old_logprobs is required when use_policy_gradient or use_task_rewards is on")
         if cfg.use_task_rewards and task_advantages is None:
             raise ValueError("task_advantages is required when use_task_rewards=True")
-        if cfg.loss_mode == "sampled" and not given_logprobs:
-            student = self._logprobs(backend, student, sampled_ids, m, "with loss_mode='sampled' and a StudentHidden student")
-
-        metrics = MetricSums()
+        if needs_logprob or cfg.loss_mode == "sampled":
+            if sampled_ids is None:
+                why = "with loss_mode='sampled'" if cfg.loss_mode == "sampled" else \
+                    f"for policy gradient / task rewards with loss_mode={cfg.loss_mode!r}"
+                raise ValueError(f"sampled_ids is required {why}")
+            if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.shape != m.shape:
+                got = tuple(sampled_ids.shape) if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__
+                raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
+        _check_signal(cfg, backend, teacher, m)
         w = None if token_weights is None else _weights(token_weights, m, torch.float64)
-        per_token, precomputed = self._per_token(backend, student, teacher, m, metrics, batch, cu_seqlens, group, w)
+        agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low,
+                   clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens,
+                   group=group)
+        return _Inputs(backend, student, teacher, m, batch, sampled_ids, old_logprobs, task_advantages, w, agg)
+
+    # -- the per-token terms ----------------------------------------------------------------------------------------
+    def _terms(self, x: _Inputs, metrics: MetricSums):
+        """(the per-token divergence L_t, the student's log-probs of the sampled tokens when the mode or the update
+        rule reads them (else None), the aggregated clamped loss when the back-end computed it in its forward pass
+        (else None)). Masked positions are sanitised first: they may hold padding garbage."""
+        cfg, m = self.config, x.mask
+        logprob = None
+        if cfg.loss_mode == "sampled" or cfg.use_policy_gradient or cfg.use_task_rewards:
+            logprob = x.backend.masked_token_logprobs(x.student, x.sampled_ids, m, temperature=cfg.temperature)
+        if cfg.loss_mode == "sampled":
+            per_token = sampled_token_kl(torch.where(m, logprob, 0.0), torch.where(m, x.teacher.logprobs, 0.0),
+                                         cfg.estimator)
+            metrics.add_mean("distillation/abs_loss", per_token.abs(), m)
+            return per_token, logprob, None
+        if cfg.loss_mode == "full":
+            per_token = x.backend.jsd(x.student, x.teacher, m.unsqueeze(-1), beta=cfg.beta,
+                                      temperature=cfg.temperature)
+            return per_token, logprob, None
+        res, precomputed = self._topk(x)
+        k = x.teacher.ids.shape[-1]
+        metrics.add_mean("distillation/student_mass", res.student_mass, m)
+        metrics.add_extrema("distillation/student_mass", res.student_mass, m)
+        metrics.add_mean("distillation/teacher_mass", res.teacher_mass, m)
+        metrics.add_extrema("distillation/teacher_mass", res.teacher_mass, m)
+        metrics.add_ratio("distillation/overlap_ratio", res.overlap_count[m].sum(), k * int(m.sum()))
+        metrics.add_mean("distillation/overlap_token_advantage", res.overlap_token_advantage,
+                         m & (res.overlap_count > 0))
+        return res.loss, logprob, precomputed
+
+    def _topk(self, x: _Inputs):
+        """(TopKResult, the aggregated loss when the back-end computed it in one pass, else None)."""
+        cfg, m = self.config, x.mask
+        keep = m.unsqueeze(-1)
+        # Masked rows become all-empty slots: zero loss, zero mass, nothing to validate.
+        ids = torch.where(keep, x.teacher.ids, torch.zeros_like(x.teacher.ids))
+        lp = torch.where(keep, x.teacher.logprobs, float("-inf"))
+        kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
+                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
+                  validate="student" if x.teacher.validated else True)
+        if x.backend.weighted_topk is not None and not cfg.use_policy_gradient:
+            # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while
+            # each chunk's logits are alive (no recompute in backward)
+            agg = x.agg
+            weights = _aggregation_weights(m, cfg.loss_agg_mode, x.batch, agg["cu_seqlens"], agg["group"],
+                                           x.student.hidden)
+            if x.weights is not None:
+                weights = weights * x.weights.to(weights.dtype)
+            precomputed, res = x.backend.weighted_topk(x.student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp,
+                                                       **kw)
+            return res, precomputed
+        # policy gradient reads the per-token loss detached: no graph (the fused op then skips its gradients)
+        with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
+            return x.backend.topk(x.student, ids, lp, **kw), None
+
+    # -- clamp, update rule, aggregation -----------------------------------------------------------------------------
+    def _objective(self, x: _Inputs, per_token, logprob, precomputed, metrics: MetricSums):
+        cfg, m, w = self.config, x.mask, x.weights
         metrics.add_extrema("distillation/loss", per_token, m)  # -> loss_min / loss_max, before the clamp
         if cfg.loss_max_clamp is not None:
             c = cfg.loss_max_clamp
@@ -145,86 +254,91 @@ class DistillationLoss:
         else:
             metrics.add_mean("distillation/clamp_fraction", torch.zeros_like(per_token, dtype=torch.float64), m)
         metrics.add_mean("distillation/divergence", per_token, m)
-
-        logprob = None
-        if needs_logprob:
-            logprob = student if cfg.loss_mode == "sampled" else self._logprobs(
-                backend, student, sampled_ids, m, f"for policy gradient / task rewards with loss_mode={cfg.loss_mode!r}")
-        agg = dict(loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                   clip_ratio_c=cfg.clip_ratio_c, cu_seqlens=cu_seqlens, group=group)
         if cfg.use_policy_gradient:
-            distill, pg_metrics = policy_gradient_loss(logprob, old_logprobs, -per_token.detach(), m, batch,
-                                                       prefix="distillation/pg_", token_weights=w, **agg)
+            distill, pg_metrics = policy_gradient_loss(logprob, x.old_logprobs, -per_token.detach(), m, x.batch,
+                                                       prefix="distillation/pg_", token_weights=w, **x.agg)
             metrics.merge(pg_metrics)
+        elif precomputed is not None:
+            distill = precomputed
         else:
-            distill = precomputed if precomputed is not None else aggregate(
-                per_token if w is None else per_token * w.to(per_token.dtype), m, cfg.loss_agg_mode, batch,
-                cu_seqlens=cu_seqlens, group=group)
-        metrics.add_sum("distillation/loss", distill.detach() / batch.dp_size)
+            distill = aggregate(per_token if w is None else per_token * w.to(per_token.dtype), m, cfg.loss_agg_mode,
+                                x.batch, cu_seqlens=x.agg["cu_seqlens"], group=x.agg["group"])
+        metrics.add_sum("distillation/loss", distill.detach() / x.batch.dp_size)
         if not cfg.use_task_rewards:
             return distill, metrics
-        task, task_metrics = policy_gradient_loss(logprob, old_logprobs, task_advantages, m, batch, prefix="task/",
-                                                  token_weights=w, **agg)
+        task, task_metrics = policy_gradient_loss(logprob, x.old_logprobs, x.task_advantages, m, x.batch,
+                                                  prefix="task/", token_weights=w, **x.agg)
         metrics.merge(task_metrics)
         total = task + cfg.distillation_coef * distill
-        metrics.add_sum("loss/total", total.detach() / batch.dp_size)
+        metrics.add_sum("loss/total", total.detach() / x.batch.dp_size)
         return total, metrics
 
-    def _logprobs(self, backend: Backend, student, sampled_ids, m: torch.Tensor, why: str) -> torch.Tensor:
-        """The student's log-probs of ``sampled_ids`` at temperature tau, masked positions read at id 0."""
-        if sampled_ids is None:
-            raise ValueError(f"sampled_ids is required {why}")
-        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.shape != m.shape:
-            got = tuple(sampled_ids.shape) if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__
-            raise ValueError(f"sampled_ids must have the shape of mask {tuple(m.shape)}, got {got}")
-        return backend.masked_token_logprobs(student, sampled_ids, m, temperature=self.config.temperature)
 
-    def _per_token(self, backend: Backend, student, teacher, m, metrics: MetricSums, batch, cu_seqlens, group, w=None):
-        """(the per-token divergence, with masked positions sanitised (they may hold padding garbage), and the
-        aggregated clamped loss when the back-end computed it in its forward pass, else None)."""
-        cfg = self.config
-        if cfg.loss_mode == "sampled":
-            lp = teacher.logprobs
-            if lp.shape != m.shape:
-                raise ValueError(f"TeacherSampled.logprobs must have shape {tuple(m.shape)}, got {tuple(lp.shape)}")
-            per_token = sampled_token_kl(torch.where(m, student, 0.0), torch.where(m, lp, 0.0), cfg.estimator)
-            metrics.add_mean("distillation/abs_loss", per_token.abs(), m)
-            return per_token, None
-        if cfg.loss_mode == "full":
-            return backend.jsd(student, teacher, m.unsqueeze(-1), beta=cfg.beta, temperature=cfg.temperature), None
+class PolicyGradientLoss:
+    """The policy-gradient objective of RL from task rewards (GRPO-style advantages), on the same student forms and
+    back-ends as :class:`DistillationLoss`: ``loss(student, None, mask, batch, sampled_ids=, old_logprobs=,
+    task_advantages=, token_weights=)`` computes the student's log-probs of the sampled tokens at ``temperature``
+    (1 by default: the behaviour policy's own distribution) and returns :func:`policy_gradient_loss`'s
+    ``(loss, metrics)`` (``policy/loss``, ``policy/clipfrac``, ``policy/clipfrac_lower``)."""
+
+    def __init__(self, *, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
+                 clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, loss_scale_factor: float | None = None,
+                 temperature: float = 1.0, vocab_group=None, vocab_size: int | None = None):
+        check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        _check_vocab_size(vocab_size)
+        self.agg = dict(loss_agg_mode=loss_agg_mode, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                        clip_ratio_c=clip_ratio_c)
+        self.loss_scale_factor, self.temperature = loss_scale_factor, temperature
+        self.vocab_group, self.vocab_size = vocab_group, vocab_size
+
+    @classmethod
+    def from_config(cls, config: DistillationConfig, **kw) -> "PolicyGradientLoss":
+        """The clip range, aggregation and scale factor of a ``DistillationConfig`` (the trainer's ``loss``)."""
+        return cls(loss_agg_mode=config.loss_agg_mode, clip_ratio_low=config.clip_ratio_low,
+                   clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c,
+                   loss_scale_factor=config.loss_scale_factor, **kw)
+
+    def backend(self, student) -> Backend:
+        return select_backend(student, vocab_group=self.vocab_group, vocab_size=self.vocab_size)
+
+    def signal(self, scores) -> None:
+        """Rewards alone: nothing of a teacher's scores is read."""
+        return None
+
+    def token_logprobs(self, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float | None = None):
+        """As :meth:`DistillationLoss.token_logprobs`."""
+        tau = self.temperature if temperature is None else temperature
+        return self.backend(student).masked_token_logprobs(student, ids, check_mask(mask, "mask"), temperature=tau)
+
+    def __call__(self, student, teacher, mask: torch.Tensor, batch: GlobalBatch, *, sampled_ids: torch.Tensor,
+                 old_logprobs: torch.Tensor, task_advantages: torch.Tensor, cu_seqlens=None, group=None,
+                 token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, MetricSums]:
+        if teacher is not None:
+            raise TypeError(f"PolicyGradientLoss learns from rewards alone: teacher must be None, got "
+                            f"{type(teacher).__name__}")
+        lp = self.token_logprobs(student, sampled_ids, mask)
+        return policy_gradient_loss(lp, old_logprobs, task_advantages, mask, batch, token_weights=token_weights,
+                                    cu_seqlens=cu_seqlens, group=group, **self.agg)
+
+
+def _check_vocab_size(vocab_size) -> None:
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+
+
+def _check_signal(cfg: DistillationConfig, backend: Backend, teacher, m: torch.Tensor) -> None:
+    """The teacher signal's shape against the mask (and K against ``config.topk``; the fused JSD's group)."""
+    if cfg.loss_mode == "sampled":
+        if teacher.logprobs.shape != m.shape:
+            raise ValueError(f"TeacherSampled.logprobs must have shape {tuple(m.shape)}, got "
+                             f"{tuple(teacher.logprobs.shape)}")
+    elif cfg.loss_mode == "topk":
         ids, lp = teacher.ids, teacher.logprobs
         if ids.shape != lp.shape or ids.shape[:-1] != m.shape:
-            raise ValueError(
-                f"teacher ids/logprobs must have shape {tuple(m.shape) + ('K',)}, got {tuple(ids.shape)} and {tuple(lp.shape)}"
-            )
+            raise ValueError(f"teacher ids/logprobs must have shape {tuple(m.shape) + ('K',)}, got "
+                             f"{tuple(ids.shape)} and {tuple(lp.shape)}")
         if cfg.topk is not None and ids.shape[-1] != cfg.topk:
             raise ValueError(f"the teacher sent K={ids.shape[-1]} ids per token but config.topk={cfg.topk}")
-        keep = m.unsqueeze(-1)
-        # Masked rows become all-empty slots: zero loss, zero mass, nothing to validate.
-        ids = torch.where(keep, ids, torch.zeros_like(ids))
-        lp = torch.where(keep, lp, float("-inf"))
-        kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
-                  log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
-                  validate="student" if teacher.validated else True)
-        precomputed = None
-        if backend.weighted_topk is not None and not cfg.use_policy_gradient:
-            # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while
-            # each chunk's logits are alive (no recompute in backward)
-            weights = _aggregation_weights(m, cfg.loss_agg_mode, batch, cu_seqlens, group, student.hidden)
-            if w is not None:
-                weights = weights * w.to(weights.dtype)
-            precomputed, res = backend.weighted_topk(student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp, **kw)
-        else:  # policy gradient reads the per-token loss detached: no graph (the fused op then skips its gradients)
-            with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
-                res = backend.topk(student, ids, lp, **kw)
-        k = ids.shape[-1]
-        metrics.add_mean("distillation/student_mass", res.student_mass, m)
-        metrics.add_extrema("distillation/student_mass", res.student_mass, m)
-        metrics.add_mean("distillation/teacher_mass", res.teacher_mass, m)
-        metrics.add_extrema("distillation/teacher_mass", res.teacher_mass, m)
-        metrics.add_ratio("distillation/overlap_ratio", res.overlap_count[m].sum(), k * int(m.sum()))
-        metrics.add_mean("distillation/overlap_token_advantage", res.overlap_token_advantage, m & (res.overlap_count > 0))
-        return res.loss, precomputed
 
 
 def _weights(token_weights: torch.Tensor, m: torch.Tensor, dtype) -> torch.Tensor:

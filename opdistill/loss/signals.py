@@ -1,5 +1,6 @@
 """What the teacher sends per position, validated at construction: ``TeacherTopK``, ``TeacherSampled``,
-``TeacherLogits`` (the fused back-end's full-vocabulary teacher is ``opdistill.fused.TeacherHidden``)."""
+``TeacherLogits`` (the fused back-end's full-vocabulary teacher is ``opdistill.fused.TeacherHidden``), and
+``TeacherScores``: what a teacher returns for a batch of padded rows (every source of ``opdistill.teachers``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,58 @@ class TeacherLogits:
 
     def __post_init__(self):
         check_float(self.logits, "TeacherLogits.logits")
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """A teacher's scores of padded rows ``[B, S]`` in the next-token layout (row t scores token t + 1), what every
+    teacher source returns (``opdistill.teachers``). Positions that were not scored hold the values the loss turns
+    masked positions into anyway: empty top-k slots (id 0, log-prob -inf), sampled log-prob 0, requested log-prob
+    -inf.
+
+    topk                ids / log-probs ``[B, S, K]`` (None when not asked for)
+    sampled_logprobs    ``[B, S]``: the teacher's log-prob of the next token of the row (None when not asked for)
+    requested_logprobs  ``[B, S, J]``: log-probs at the ids the request named (None when not asked for)
+    """
+
+    topk: TeacherTopK | None = None
+    sampled_logprobs: torch.Tensor | None = None
+    requested_logprobs: torch.Tensor | None = None
+
+    def micro(self, rows: torch.Tensor, length: int) -> "TeacherScores":
+        """The scores of rows ``rows`` (index tensor) and their first ``length`` positions (one micro-batch)."""
+        def take(x):
+            return None if x is None else x[rows, :length]
+
+        topk = None if self.topk is None else TeacherTopK(take(self.topk.ids), take(self.topk.logprobs),
+                                                          validated=self.topk.validated)
+        return TeacherScores(topk, take(self.sampled_logprobs), take(self.requested_logprobs))
+
+    def to(self, device) -> "TeacherScores":
+        """Every tensor on ``device`` (itself when already there)."""
+        def move(x):
+            return None if x is None else x.to(device)
+
+        topk = None if self.topk is None else TeacherTopK(move(self.topk.ids), move(self.topk.logprobs),
+                                                          validated=self.topk.validated)
+        return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs))
+
+    @staticmethod
+    def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores":
+        """Scores of disjoint row subsets put back together: ``parts[i]`` scored rows ``order[n_0 + ... : ...]`` (its
+        rows, in order), so row ``order[j]`` of the result is row j of the concatenated parts."""
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel())
+
+        def cat(xs):
+            return None if xs[0] is None else torch.cat([x.to(xs[0].dtype) for x in xs])[inv]
+
+        topk = None
+        if parts[0].topk is not None:
+            topk = TeacherTopK(cat([p.topk.ids for p in parts]), cat([p.topk.logprobs for p in parts]),
+                               validated=all(p.topk.validated for p in parts))
+        return TeacherScores(topk, cat([p.sampled_logprobs for p in parts]),
+                             cat([p.requested_logprobs for p in parts]))
 
 
 SIGNAL_FOR_MODE = {"topk": TeacherTopK, "sampled": TeacherSampled, "full": TeacherLogits}
