@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from opdistill.fused import read_lm_head
+from opdistill.fused import head_transform, read_lm_head
 from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
 __all__ = [
@@ -33,9 +33,14 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "check_compatible",
+    "model_config",
+    "output_width",
+    "model_positions",
+    "num_layers",
     "char_tokenizer",
     "build_tiny_llama",
     "truncate_layers",
+    "decoder_layers",
     "smollm2_folder",
 ]
 
@@ -115,7 +120,8 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
 
     Checked: the token -> id map (size and the first differing entries), the special tokens (string and id), the
     chat template, and (when models are given) that the output layers cover the tokenizer's ids and have the same
-    width (a teacher top-k id must index the student's logits).
+    width (a teacher top-k id must index the student's logits). ``student_model`` / ``teacher_model`` may be loaded
+    models or their transformers configs (:func:`model_config`: checked before any weight is read).
     """
     problems: list[str] = []
     sv, tv = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
@@ -146,8 +152,8 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
             + " (prompts would be rendered differently for the two models)"
         )
     if student_model is not None and teacher_model is not None:
-        s_out = student_model.get_output_embeddings().weight.shape[0]
-        t_out = read_lm_head(teacher_model).weight.shape[0]  # the teacher's scoring head: unknown transforms refused now
+        s_out = output_width(student_model, scoring=False)
+        t_out = output_width(teacher_model)  # the teacher's scoring head: unknown transforms refused now
         if s_out != t_out:
             problems.append(f"output vocabulary width differs: student lm_head has {s_out} rows, teacher {t_out}")
         if s_out < len(student_tokenizer):
@@ -155,6 +161,43 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
     if problems:
         raise IncompatibleModelsError("model.teacher: student and teacher are not compatible for distillation: "
                                       + "; ".join(problems))
+
+
+def model_config(path: str | os.PathLike, *, trust_remote_code: bool = False, key: str | None = None):
+    """A model folder's transformers config (``config.json``), read without a weight: what a run checks before it
+    loads the models. A missing or unreadable folder is a :class:`ModelError` naming ``key``."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(lambda p: AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code), path, key)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def output_width(model_or_config, *, scoring: bool = True) -> int:
+    """The rows of a causal LM's output head: from the loaded head (``read_lm_head`` when ``scoring``: a head the
+    reader does not know is refused), or from a config's ``vocab_size`` (its head transform checked the same way)."""
+    if hasattr(model_or_config, "get_output_embeddings"):
+        if scoring:
+            return int(read_lm_head(model_or_config).weight.shape[0])
+        head = model_or_config.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(_text_config(model_or_config.config).vocab_size)
+    if scoring:
+        head_transform(model_or_config)
+    return int(_text_config(model_or_config).vocab_size)
+
+
+def model_positions(model_or_config) -> int | None:
+    """How many positions a model (or its config) was built for (None when the config does not say)."""
+    c = _text_config(getattr(model_or_config, "config", model_or_config))
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+def num_layers(model_or_config) -> int | None:
+    """The decoder layers a model (or its config) has (None when the config does not say)."""
+    c = _text_config(getattr(model_or_config, "config", model_or_config))
+    return getattr(c, "num_hidden_layers", None)
 
 
 def char_tokenizer(chars: str, *, chat_template: str | None = None):
@@ -215,6 +258,19 @@ def truncate_layers(model, num_layers: int):
     if getattr(model.config, "layer_types", None) is not None:
         model.config.layer_types = model.config.layer_types[:num_layers]
     return model
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks of a transformers causal LM (``model.model.layers`` and the like), else []."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, torch.nn.ModuleList):
+            return list(node)
+    return []
 
 
 def _smollm2_gguf() -> Path:

@@ -1,4 +1,5 @@
-"""vLLM engines (the ``[vllm]`` extra): student rollouts with in-place weight sync, and teacher scoring.
+"""vLLM engines (the ``[vllm]`` extra): student rollouts with in-place weight sync, and prompt log-probs (what the
+vLLM teacher, ``opdistill.teachers.vllm``, scores with).
 
 Nothing here imports vllm at module import: ``import opdistill`` (and this module) never loads it; an engine does,
 when it is built (``rollout.engine: vllm`` / ``teacher.engine: vllm``). docs/engines.md is the user's guide.
@@ -40,11 +41,9 @@ from typing import Callable
 
 import torch
 
-from opdistill import TeacherTopK
 from opdistill.engines.sampler import row_key
 from opdistill.errors import UserError
-from opdistill.rollout import RolloutBatch, generate_rollouts, make_batch
-from opdistill.teacher import TeacherScores
+from opdistill.engines.rollout import RolloutBatch, generate_rollouts, make_batch
 
 __all__ = ["vllm_available", "VllmEngine", "EngineSet", "open_engines", "INSTALL_HINT"]
 
@@ -211,7 +210,7 @@ class VllmEngine:
                           top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
                           greedy: bool = False, seed: int = 0, step: int = 0, prompt_offset: int = 0,
                           want_texts: bool = True) -> RolloutBatch:
-        """``opdistill.rollout.generate_rollouts`` through this engine: the same ``RolloutBatch`` layout."""
+        """``opdistill.engines.rollout.generate_rollouts`` through this engine: the same ``RolloutBatch`` layout."""
         tokens, logprobs = self.sample(prompts, eos_id=tokenizer.eos_token_id, n=n, temperature=temperature,
                                        top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                        min_new_tokens=min_new_tokens, greedy=greedy, seed=seed, step=step,
@@ -221,50 +220,21 @@ class VllmEngine:
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if want_texts else None
         return make_batch([list(prompts[i]) for i in index], tokens, logprobs, index, texts, tokenizer.pad_token_id)
 
-    # -- teacher scoring -------------------------------------------------------------------------------------------
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int | None = None,
-              sampled_ids: torch.Tensor | None = None) -> TeacherScores:
-        """``opdistill.teacher.score_teacher`` through this engine (temperature 1): top-K ids and log-probs and/or
-        the log-prob of ``sampled_ids`` [B, S] (next-token layout: row t scores token t + 1, taken from the row's
-        own ``input_ids``; ``sampled_ids`` must be those next tokens). Rows are right-padded; positions past a
-        row's last token stay 0."""
+    # -- prompt log-probs (teacher scoring: opdistill.teachers.vllm) ------------------------------------------------
+    def prompt_logprobs(self, rows: list[list[int]], k: int) -> list[list[dict | None]]:
+        """vLLM's prompt log-probs of unpadded token rows, ``out[b][p]`` = ``{token id: (log-prob, rank)}`` for
+        prompt position p >= 1 (the entries of rank 1..k and the actual token p; ``None`` at p = 0), at
+        temperature 1 (prompt log-probs are never processed)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if k is None and sampled_ids is None:
-            raise ValueError("score: ask for top-k (k=...) or sampled-token scores (sampled_ids=...), or both")
-        B, S = input_ids.shape
-        lengths = attention_mask.sum(-1).tolist()
-        if sampled_ids is not None:
-            for b in range(B):
-                n = int(lengths[b])
-                if n > 1 and not torch.equal(sampled_ids[b, : n - 1].cpu(), input_ids[b, 1:n].cpu()):
-                    raise ValueError("sampled_ids: the vllm teacher scores each row's own next tokens; row "
-                                     f"{b} asks for other tokens")
         if self.sleeping:
             self.wake_up()
-        rows = [input_ids[b, : int(lengths[b])].tolist() for b in range(B)]
-        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k if k else 0, detokenize=False)
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
-        top_ids = torch.zeros(B, S, k, dtype=torch.long) if k else None
-        top_lp = torch.zeros(B, S, k, dtype=torch.float32) if k else None
-        samp = torch.zeros(B, S, dtype=torch.float32) if sampled_ids is not None else None
-        for b, (o, r) in enumerate(zip(outs, rows)):
-            plp = o.prompt_logprobs
-            for t in range(len(r) - 1):
-                d = plp[t + 1]  # {token id: Logprob(logprob, rank)} for token t + 1
-                if k:
-                    best = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None
-                                   and lp.rank <= k))[:k]
-                    if len(best) < k:
-                        raise EngineError(f"teacher.engine vllm: got {len(best)} of K={k} prompt log-probs at row {b} "
-                                          f"position {t}; raise the engine's max_logprobs")
-                    top_ids[b, t] = torch.tensor([x[1] for x in best])
-                    top_lp[b, t] = torch.tensor([x[2] for x in best])
-                if samp is not None:
-                    samp[b, t] = d[r[t + 1]].logprob
         self.sleep()
-        return TeacherScores(TeacherTopK(top_ids, top_lp) if k else None, samp)
+        return [[None if d is None else {tid: (lp.logprob, lp.rank) for tid, lp in d.items()}
+                 for d in o.prompt_logprobs] for o in outs]
 
     def close(self) -> None:
         """Shut the engine down (frees its memory); the object is unusable after."""
@@ -279,11 +249,11 @@ class VllmEngine:
 
 @dataclass
 class EngineSet:
-    """What the trainer samples and scores with: a vLLM engine for the student and/or the teacher, or None for
-    our own sampler / in-process HF scorer. ``mismatch``: the ``train_step`` argument (metrics + TIS) or None."""
+    """Where the student's rollouts come from: a vLLM student engine, or None for our own sampler. ``mismatch``: the
+    ``train_step`` argument (sampler/trainer mismatch metrics + TIS) or None. (A vLLM teacher engine is a teacher:
+    ``opdistill.teachers.vllm``.)"""
 
     student: VllmEngine | None = None
-    teacher: VllmEngine | None = None
     mismatch: dict | None = None
 
     def generate_rollouts(self, model, tokenizer, prompts, **kw) -> RolloutBatch:
@@ -299,32 +269,27 @@ class EngineSet:
             self.student.push(student)
 
     def close(self) -> None:
-        for e in (self.student, self.teacher):
-            if e is not None:
-                e.close()
+        if self.student is not None:
+            self.student.close()
 
 
 def open_engines(cfg, tokenizer, student, resolve: Callable[[str], str]) -> EngineSet:
-    """The engines a ``TrainerConfig`` asks for (``rollout.engine``, ``teacher.engine``), the student engine holding
-    ``student``'s current weights (a resumed run's included). ``resolve`` maps ``model.*`` to folders."""
+    """The rollout engine a ``TrainerConfig`` asks for (``rollout.engine``), holding ``student``'s current weights (a
+    resumed run's included). ``resolve`` maps ``model.*`` to folders."""
     rc, method = cfg.rollout, cfg.train.method
     on_student = method != "off_policy" and cfg.data.teacher_cache is None
     # the mismatch metrics cost a no-grad log-softmax over the vocabulary per micro-batch: measured where a sampler
     # other than the trainer's own wrote the tokens (a vLLM student), or where TIS needs the trainer's log-probs
     measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None)
     es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap) if measure else None)
-    common = dict(dtype=cfg.model.dtype, seed=cfg.train.seed, max_model_len=rc.vllm_max_model_len,
-                  gpu_memory_utilization=rc.vllm_gpu_memory_utilization, kv_cache_gb=rc.vllm_kv_cache_gb,
-                  sleep=rc.vllm_sleep)
-    try:
-        if rc.engine == "vllm":
-            es.student = VllmEngine(resolve(cfg.model.student), role="student", **common)
+    if rc.engine == "vllm":
+        es.student = VllmEngine(resolve(cfg.model.student), role="student", dtype=cfg.model.dtype, seed=cfg.train.seed,
+                                max_model_len=rc.vllm_max_model_len,
+                                gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
+                                kv_cache_gb=rc.vllm_kv_cache_gb, sleep=rc.vllm_sleep)
+        try:
             es.student.push(student)
-        if cfg.teacher.engine == "vllm":
-            k = cfg.loss.topk if cfg.loss.loss_mode == "topk" else 1
-            es.teacher = VllmEngine(resolve(cfg.model.teacher), role="teacher", max_logprobs=max(k or 1, 20),
-                                    **common)
-    except BaseException:
-        es.close()
-        raise
+        except BaseException:
+            es.close()
+            raise
     return es

@@ -3,7 +3,8 @@ logits (SPEC 5).  Same results as ``opdistill.ops`` (same named stages: each chu
 vocab-sharded stages of ``opdistill.parallel.stages``), gradients for hidden, weight and bias."""
 
 from ._chunks import default_chunk_size
-from .hf import LMHead, backbone_of, causal_lm_hidden, check_lm_head, lm_head_of, no_cache_kwargs, read_lm_head
+from .hf import (LMHead, backbone_of, causal_lm_hidden, check_lm_head, head_transform, lm_head_of, no_cache_kwargs,
+                 read_lm_head)
 from .inputs import StudentHidden, TeacherHidden
 from .jsd import fused_generalized_jsd
 from .logprobs import fused_token_logprobs
@@ -17,6 +18,7 @@ __all__ = [
     "causal_lm_hidden",
     "check_lm_head",
     "default_chunk_size",
+    "head_transform",
     "fused_generalized_jsd",
     "fused_token_logprobs",
     "fused_topk_divergence",

@@ -54,18 +54,10 @@ def _positive(name: str, key: str, v) -> float:
     return float(v)
 
 
-def read_lm_head(model) -> LMHead:
-    """The lm_head of a transformers causal LM with the transform its config applies to the logits (see the module
-    docstring); raises TypeError for a head that is not a plain linear layer, ValueError for an unknown transform."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise TypeError(f"{type(model).__name__} has no output embedding (lm_head) with a weight; is it a causal LM?")
-    if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA- or quantisation-wrapped head
-        raise TypeError(
-            f"{type(model).__name__}'s lm_head is a {type(head).__name__}, not a plain linear layer; reading its "
-            "weight would compute a different function"
-        )
-    config = model.config
+def head_transform(config) -> tuple[float, float | None]:
+    """(logit_scale, softcap or None) that a model with this transformers ``config`` applies to its lm_head's output
+    (module docstring); raises ValueError for a transform opdistill does not know. Reads the config only: a model
+    folder can be checked before its weights are loaded."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = type(cfg).__name__
     scale = 1.0
@@ -84,7 +76,24 @@ def read_lm_head(model) -> LMHead:
                 "refusing rather than computing a different loss. Extend opdistill.fused.hf._LOGIT_MULTIPLIERS if "
                 "it is a plain logit multiplier"
             )
-    return LMHead(head.weight, head.bias, float(scale), cap, name)
+    return float(scale), cap
+
+
+def read_lm_head(model) -> LMHead:
+    """The lm_head of a transformers causal LM with the transform its config applies to the logits (see the module
+    docstring); raises TypeError for a head that is not a plain linear layer, ValueError for an unknown transform."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"{type(model).__name__} has no output embedding (lm_head) with a weight; is it a causal LM?")
+    if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA- or quantisation-wrapped head
+        raise TypeError(
+            f"{type(model).__name__}'s lm_head is a {type(head).__name__}, not a plain linear layer; reading its "
+            "weight would compute a different function"
+        )
+    config = model.config
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale, cap = head_transform(config)
+    return LMHead(head.weight, head.bias, scale, cap, type(cfg).__name__)
 
 
 def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None, float]:

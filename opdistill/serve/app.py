@@ -1,27 +1,26 @@
 """The teacher server: an ASGI app (FastAPI) that scores rows with an in-process teacher, batching concurrent requests.
 
 Design notes
-- Engines (``--engine``): ``hf``, a transformers model scored by :func:`opdistill.teacher.score_teacher` (below), or
-  ``vllm``, a teacher :class:`~opdistill.engines.vllm.VllmEngine` in this process scored by its own
-  :meth:`~opdistill.engines.vllm.VllmEngine.score` (the ``teacher.engine: vllm`` path of the trainer; one scoring path
-  per engine). The vllm engine answers top-K and next-token log-probs at temperature 1 of right-padded rows only
-  (prompt log-probs are raw logits, unpadded; vLLM returns its top-K and the actual token, nothing at other ids), K up
-  to its ``max_logprobs`` (set to ``--max-k``) and rows up to its ``max_model_len``. ``/info`` states each engine's
-  limits (``engine``, ``max_k``, ``max_requested_ids``, ``fixed_temperature``, ``padding``, ``max_model_len``);
-  :func:`opdistill.engines.remote.engine_refusal` turns them into one-line refusals, here (422) and in the client
+- Engines (``--engine``): ``hf``, a transformers model (:class:`~opdistill.teachers.LocalTeacher`), or ``vllm``, a
+  vLLM engine in this process (:class:`~opdistill.teachers.vllm.VllmTeacher`): the very Teacher classes the trainer
+  scores with in process, so there is no second scorer. The vllm engine answers top-K and next-token log-probs at
+  temperature 1 of right-padded rows only (prompt log-probs are raw logits, unpadded; vLLM returns its top-K and the
+  actual token, nothing at other ids), K up to its ``max_logprobs`` (set to ``--max-k``) and rows up to its
+  ``max_model_len``. ``/info`` states each engine's limits (``engine``, ``max_k``, ``max_requested_ids``,
+  ``fixed_temperature``, ``padding``, ``max_model_len``: the teacher's ``limits``);
+  :func:`opdistill.teachers.wire.engine_refusal` turns them into one-line refusals, here (422) and in the client
   (before it sends). Its ``/info`` fingerprint is the hf server's: hashed from the folder's safetensors tensor by
-  tensor (:func:`opdistill.teacher.teacher_fingerprint_from_folder`), no HF model held next to the engine.
+  tensor (:func:`opdistill.teachers.fingerprint.teacher_fingerprint_from_folder`), no HF model held next to the
+  engine.
 - ``GET /health`` (no token needed): ``{"status": "ok"}``. ``GET /info``: the model id, the teacher fingerprint and
-  the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teacher``), vocabulary
-  width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids": [B][S],
-  "attention_mask": [B][S], "response_mask": [B][S], "k": K or null, "temperature": 1.0, "requested_ids": [P][J]
-  (optional)}``; the answer (JSON or binary by the Accept header, ``opdistill.engines.remote``) holds, at each
+  the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teachers.fingerprint``),
+  vocabulary width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids":
+  [B][S], "attention_mask": [B][S], "response_mask": [B][S], "k": K or null, "temperature": 1.0, "requested_ids":
+  [P][J] (optional)}``; the answer (JSON or binary by the Accept header, ``opdistill.teachers.wire``) holds, at each
   scored position (``response_mask[b, t + 1] == 1``, row-major), the top-K ids and log-probs, the next token's
   log-prob and the log-probs at the requested ids, at the request's temperature (echoed).
-- Exactness: at temperature 1 the top-k and next-token log-probs come from :func:`opdistill.teacher.score_teacher`
-  on the very tensors the client sent, so a request scored alone gets the in-process teacher's numbers bit for bit.
-  Requested ids and other temperatures go through one more pass (backbone, then the lm_head at the scored positions
-  only).
+- Exactness: the teacher scores the very tensors the client sent through ``Teacher.score``, so a request scored
+  alone gets the in-process teacher's numbers bit for bit, requested ids and temperature included (one pass).
 - Batching: requests wait on an asyncio queue; a worker takes the first and merges the waiting ones with the same
   K, temperature and requested-id width while the merged rows stay within ``max_batch_tokens`` (rows x padded
   length), pads them on the right to one length (attention 0, response 0), runs the forward in one worker thread
@@ -42,18 +41,17 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opdistill.engines.remote import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal,
-                                      parse_accept, scored_positions)
 from opdistill.engines.vllm import INSTALL_HINT, VllmEngine, vllm_available
 from opdistill.errors import UserError
 from opdistill.models import resolve_model_path
-from opdistill.fused import backbone_of, read_lm_head
-from opdistill.teacher import score_teacher, teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
+from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
+from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
+from opdistill.teachers.wire import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal, parse_accept,
+                                     to_wire)
 
 __all__ = ["TeacherService", "ServeError", "create_app", "score_rows", "LOOPBACK_HOSTS", "check_bind", "ENGINES"]
 
@@ -81,81 +79,19 @@ class BadRequest(Exception):
         self.status = status
 
 
-@torch.no_grad()
-def score_rows(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
-               k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
-               row_chunk: int = 64, token_chunk: int = 2048) -> ScoreResult:
-    """Scores at the scored positions (``response_mask[b, t + 1] == 1``, row-major). ``teacher``: a transformers
-    model, or a :class:`~opdistill.engines.vllm.VllmEngine` (temperature 1, no requested ids, right-padded rows)."""
-    if isinstance(teacher, VllmEngine):
-        return _score_rows_vllm(teacher, input_ids, attention_mask, response_mask, k=k, temperature=temperature,
-                                requested_ids=requested_ids)
-    keep = scored_positions(response_mask)
-    targets = torch.zeros_like(input_ids)
-    targets[:, :-1] = input_ids[:, 1:]
-    P = int(keep.sum())
-    topk_ids = topk_lp = req = None
-    nxt = None
-    if temperature == 1.0:
-        s = score_teacher(teacher, input_ids, attention_mask, k=k, sampled_ids=targets)
-        nxt = s.sampled_logprobs[keep].numpy()
-        if k:
-            topk_ids, topk_lp = s.topk.ids[keep].numpy(), s.topk.logprobs[keep].numpy()
-    if temperature != 1.0 or requested_ids is not None:
-        head = read_lm_head(teacher)
-        backbone = backbone_of(teacher)
-        dev = teacher.device
-        hidden = []
-        was_training = teacher.training
-        teacher.eval()
-        try:
-            for r0 in range(0, input_ids.shape[0], row_chunk):
-                h = backbone(input_ids=input_ids[r0 : r0 + row_chunk].to(dev),
-                             attention_mask=attention_mask[r0 : r0 + row_chunk].to(dev)).last_hidden_state
-                hidden.append(h[keep[r0 : r0 + row_chunk].to(dev)])
-        finally:
-            teacher.train(was_training)
-        flat = torch.cat(hidden) if hidden else torch.zeros(0, 1)
-        tg = targets[keep]
-        n_lp = torch.zeros(P)
-        t_ids = torch.zeros(P, k or 0, dtype=torch.long)
-        t_lp = torch.zeros(P, k or 0)
-        r_lp = torch.zeros(P, requested_ids.shape[1]) if requested_ids is not None else None
-        for t0 in range(0, P, token_chunk):
-            z = head.logits(flat[t0 : t0 + token_chunk]) / temperature
-            lp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-            n_lp[t0 : t0 + z.shape[0]] = lp.gather(-1, tg[t0 : t0 + z.shape[0], None].to(dev)).squeeze(-1).cpu()
-            if k:
-                v, i = lp.topk(k, dim=-1)
-                t_ids[t0 : t0 + z.shape[0]], t_lp[t0 : t0 + z.shape[0]] = i.cpu(), v.cpu()
-            if r_lp is not None:
-                r_lp[t0 : t0 + z.shape[0]] = lp.gather(-1, requested_ids[t0 : t0 + z.shape[0]].to(dev)).cpu()
-        if temperature != 1.0:
-            nxt = n_lp.numpy()
-            if k:
-                topk_ids, topk_lp = t_ids.numpy(), t_lp.numpy()
-        if r_lp is not None:
-            req = r_lp.numpy()
-    return ScoreResult(topk_ids, topk_lp, nxt, req, float(temperature))
-
-
-def _score_rows_vllm(engine: VllmEngine, input_ids, attention_mask, response_mask, *, k, temperature, requested_ids):
-    """Through the engine's own teacher scoring (:meth:`VllmEngine.score`, the in-process ``teacher.engine: vllm``
-    path): only the rows with a scored position are sent, each unpadded."""
-    if temperature != 1.0 or requested_ids is not None:
-        raise ValueError("the vllm engine scores at temperature 1 only and cannot score requested ids")
-    keep = scored_positions(response_mask)
-    rows = keep.any(-1)
-    P = int(keep.sum())
-    if P == 0:
-        return ScoreResult(np.zeros((0, k), np.int64) if k else None, np.zeros((0, k), np.float32) if k else None,
-                           np.zeros(0, np.float32), None, 1.0)
-    ids, keep = input_ids[rows], keep[rows]
-    targets = torch.zeros_like(ids)
-    targets[:, :-1] = ids[:, 1:]
-    s = engine.score(ids, attention_mask[rows], k=k, sampled_ids=targets)
-    return ScoreResult(s.topk.ids[keep].numpy() if k else None, s.topk.logprobs[keep].numpy() if k else None,
-                       s.sampled_logprobs[keep].numpy(), None, 1.0)
+def score_rows(teacher: Teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+               k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None) -> ScoreResult:
+    """The answer at the scored positions (``response_mask[b, t + 1] == 1``, row-major): ``teacher`` (a
+    :class:`~opdistill.teachers.LocalTeacher` or :class:`~opdistill.teachers.vllm.VllmTeacher`) scores the rows
+    exactly as the trainer's in-process teacher does; ``requested_ids`` ``[P, J]`` (one row per scored position)."""
+    rows = Rows(input_ids, attention_mask, response_mask)
+    keep = rows.scored()
+    req = None
+    if requested_ids is not None:
+        req = torch.zeros(*keep.shape, requested_ids.shape[1], dtype=torch.long)
+        req[keep] = requested_ids
+    scores = teacher.score(rows, ScoreRequest(k=k, sampled=True, requested_ids=req, temperature=temperature))
+    return to_wire(scores, keep, temperature)
 
 
 @dataclass
@@ -177,33 +113,33 @@ class _Job:
 
 
 class TeacherService:
-    """A loaded teacher (a transformers model: engine hf; or a teacher :class:`VllmEngine`: engine vllm) and what
-    ``/info`` says about it: the teacher cache's provenance fields, the engine and its limits (what
-    :func:`~opdistill.engines.remote.engine_refusal` checks). ``fingerprint``: the teacher's
-    (:func:`~opdistill.teacher.teacher_fingerprint`), required with a vLLM engine (it holds no HF model)."""
+    """A loaded teacher (a :class:`~opdistill.teachers.LocalTeacher`: engine hf; or a
+    :class:`~opdistill.teachers.vllm.VllmTeacher`: engine vllm) and what ``/info`` says about it: the teacher cache's
+    provenance fields, the engine and its limits (what :func:`~opdistill.teachers.wire.engine_refusal` checks).
+    ``fingerprint``: the teacher's (:func:`~opdistill.teachers.fingerprint.teacher_fingerprint`), required when the
+    teacher holds no HF model (a vLLM engine)."""
 
-    def __init__(self, teacher, tokenizer, *, model_id: str, max_k: int = 64, max_requested_ids: int = 256,
+    def __init__(self, teacher: Teacher, tokenizer, *, model_id: str, max_k: int = 64, max_requested_ids: int = 256,
                  fingerprint: dict | None = None):
         self.teacher = teacher
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.engine = "vllm" if isinstance(teacher, VllmEngine) else "hf"
+        self.engine = teacher.engine_name
         if fingerprint is None:
-            if self.engine == "vllm":
-                raise ValueError("TeacherService: a vllm engine needs the teacher's fingerprint (fingerprint=...)")
-            fingerprint = teacher_fingerprint(teacher)
+            if not isinstance(teacher, LocalTeacher):
+                raise ValueError(f"TeacherService: a {self.engine} engine needs the teacher's fingerprint "
+                                 f"(fingerprint=...)")
+            fingerprint = teacher_fingerprint(teacher.model)
         self.vocab_size = int(fingerprint["teacher_vocab_size"])
-        self.max_k = min(max_k, self.vocab_size)
-        if self.engine == "vllm":  # prompt log-probs: raw logits (temperature 1), top-K + the actual token, unpadded
-            self.max_k = min(self.max_k, teacher.max_logprobs)
-            max_requested_ids = 0
-            limits = {"fixed_temperature": 1.0, "padding": "right", "max_model_len": teacher.max_model_len}
-        else:
-            limits = {"fixed_temperature": None, "padding": "any", "max_model_len": None}
+        limits = teacher.limits
+        self.max_k = min(max_k, self.vocab_size, limits.get("max_k") or max_k)
+        if limits["max_requested_ids"] is not None:
+            max_requested_ids = min(max_requested_ids, limits["max_requested_ids"])
         self.max_requested_ids = max_requested_ids
         self.info = {"model": model_id, **fingerprint, **tokenizer_fingerprint(tokenizer), "engine": self.engine,
                      "vocab_size": self.vocab_size, "max_k": self.max_k, "max_requested_ids": max_requested_ids,
-                     **limits, "dtype": fingerprint["teacher_dtype"]}
+                     "fixed_temperature": limits["fixed_temperature"], "padding": limits["padding"],
+                     "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"]}
 
 
 def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
@@ -255,7 +191,7 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise BadRequest(422, f"temperature: expected a finite number > 0, got {temperature!r}")
-    P = int(scored_positions(rm).sum())
+    P = int(Rows(ids, am, rm).scored().sum())
     req = None
     if body.get("requested_ids") is not None:
         if P == 0:
@@ -291,7 +227,7 @@ def run_jobs(svc: TeacherService, jobs: list[_Job]) -> list[ScoreResult]:
                    temperature=jobs[0].temperature, requested_ids=req)
     out, p0 = [], 0
     for j in jobs:
-        p1 = p0 + int(scored_positions(j.response_mask).sum())
+        p1 = p0 + int(Rows(j.input_ids, j.attention_mask, j.response_mask).scored().sum())
         sl = slice(p0, p1)
         out.append(ScoreResult(None if r.topk_ids is None else r.topk_ids[sl],
                                None if r.topk_logprobs is None else r.topk_logprobs[sl], r.next_logprobs[sl],
@@ -311,7 +247,7 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
         pending: list[_Job] = []
         while True:
             first = pending.pop(0) if pending else await queue.get()
-            jobs, tokens = [first], first.tokens
+            jobs = [first]
             while not queue.empty():
                 pending.append(queue.get_nowait())
             rest = []
@@ -320,7 +256,6 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
                 rows = sum(x.input_ids.shape[0] for x in jobs) + j.input_ids.shape[0]
                 if j.group() == first.group() and rows * S <= max_batch_tokens:
                     jobs.append(j)
-                    tokens = rows * S
                 else:
                     rest.append(j)
             pending = rest
@@ -454,13 +389,15 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
                                                          key="--model"))
         # sleep off: a server scores request after request (sleep mode would offload the weights after each)
         most = min(max_k, fingerprint["teacher_vocab_size"])
-        teacher = VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=most, max_model_len=max_model_len,
-                             gpu_memory_utilization=gpu_memory_utilization, sleep=False,
-                             trust_remote_code=trust_remote_code)
+        from opdistill.teachers.vllm import VllmTeacher
+
+        teacher = VllmTeacher(VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=most,
+                                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                         sleep=False, trust_remote_code=trust_remote_code))
     else:
         fingerprint = None
-        teacher = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
-        teacher.requires_grad_(False)
+        model_ = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
+        teacher = LocalTeacher(model_.requires_grad_(False), key="--model")
     try:
         svc = TeacherService(teacher, tok, model_id=model, max_k=max_k, fingerprint=fingerprint)
         app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens)
@@ -468,8 +405,7 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
               f"max K {svc.max_k}, {'token required' if token else 'no token'})", flush=True)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
-        if engine == "vllm":
-            teacher.close()
+        teacher.close()
 
 
 def check_engine(engine: str, *, dtype: str, max_model_len: int | None = None,

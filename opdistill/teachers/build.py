@@ -1,0 +1,161 @@
+"""``build_teacher(config, context)``: THE place that chooses where a run's teacher scores come from.
+
+Nothing else in the package picks a teacher class. From the trainer config (``teacher``, ``teachers``, ``routing``,
+``model.teacher``, ``model.teacher_sharded``, ``data.teacher_cache``, ``train.method``) and what the run has loaded
+(:class:`TeacherContext`), it returns :class:`Teachers`: the teacher the training steps score with and the one the
+evaluation scores with (they differ where the training teacher is a cache or a vLLM engine: the evaluation keeps
+the in-process model; several routed teachers: no teacher metrics in the evaluation).
+
+======================================  ==================================================  =====================
+config                                  training teacher                                    evaluation teacher
+======================================  ==================================================  =====================
+``teachers`` + ``routing``              RoutedTeacher of LocalTeacher / RemoteTeacher /     none
+                                        StockVllmTeacher members
+``teacher.url`` (api opdistill | vllm)  RemoteTeacher | StockVllmTeacher                    the same client
+``train.method: rl``                    none                                                 the model, if loaded
+``data.teacher_cache``                  CachedTeacher                                       the model
+``teacher.engine: vllm``                VllmTeacher (a VllmEngine in this process)          the model
+``model.teacher_sharded`` (torchrun)    ShardedTeacher                                      the same
+otherwise                               LocalTeacher (``model.teacher``, or the LoRA base)  the same
+======================================  ==================================================  =====================
+
+A new kind of teacher is one class in this package and one line here (docs/architecture.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from opdistill.errors import ConfigError
+from opdistill.teachers.base import Teacher
+from opdistill.teachers.cache import CachedTeacher
+from opdistill.teachers.local import LocalTeacher
+from opdistill.teachers.remote import RemoteTeacher
+from opdistill.teachers.routed import RoutedTeacher
+from opdistill.teachers.sharded import ShardedTeacher
+from opdistill.teachers.stock_vllm import StockVllmTeacher
+
+__all__ = ["TeacherContext", "Teachers", "build_teacher", "connect"]
+
+
+@dataclass
+class TeacherContext:
+    """What the run has loaded that a teacher needs.
+
+    tokenizer, student: the student's (a server's ``/info`` is checked against them).
+    models: the in-process teacher models by config key (``model.teacher``: the teacher or the LoRA student's base;
+        ``teachers.N.path``: a named teacher); a key the config names but this lacks is an error.
+    mesh, group: the data-parallel mesh and group a ``model.teacher_sharded`` teacher is sharded over (None: one
+        process, where sharding over one rank is the unsharded teacher).
+    cache: the loaded ``data.teacher_cache`` (``opdistill.teachers.cache.load_cache``), or None.
+    resolve: ``model.*`` name -> model folder (for a vLLM engine, which loads from its folder).
+    """
+
+    tokenizer: object
+    student: object = None
+    models: dict = field(default_factory=dict)
+    mesh: object = None
+    group: object = None
+    cache: dict | None = None
+    resolve: Callable[[str], str] = str
+
+
+@dataclass
+class Teachers:
+    """The run's teachers: ``train`` scores the steps, ``eval`` the held-out evaluation (either None: none)."""
+
+    train: Teacher | None
+    eval: Teacher | None
+
+    def close(self) -> None:
+        for t in {id(t): t for t in (self.train, self.eval) if t is not None}.values():
+            t.close()
+
+
+def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
+    """A remote teacher from a section with the ``teacher`` client keys (``teacher`` or a ``teachers`` entry):
+    our server (``api: opdistill``; its /info checked against the student) or a stock ``vllm serve`` endpoint
+    (``api: vllm``); ``key`` names its url in messages."""
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{key}: the teacher client needs the serve extra (httpx is missing): "
+                          "pip install 'opdistill[serve]'") from None
+    kw = dict(overlap=section.overlap, token_file=section.token_file, timeout_s=section.timeout_s,
+              retries=section.retries, backoff_s=section.backoff_s, key=key)
+    if section.api == "vllm":  # prompt_logprobs (what it cannot do: docs/teacher_service.md)
+        client = StockVllmTeacher(section.url, model=section.model, **kw)
+    else:
+        client = RemoteTeacher(section.url, payload=section.payload, **kw)
+    try:
+        lc = cfg.loss
+        client.check_student(context.tokenizer, context.student, k=lc.topk if lc.loss_mode == "topk" else None)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _model(context: TeacherContext, key: str):
+    if key not in context.models:
+        raise ValueError(f"build_teacher: the config names {key} but no model was loaded for it")
+    return context.models[key]
+
+
+def _in_process(cfg, context: TeacherContext) -> Teacher | None:
+    """``model.teacher`` in this process (sharded over the data-parallel ranks when asked and possible), or None."""
+    model = context.models.get("model.teacher")
+    if model is None:
+        return None
+    if cfg.model.teacher_sharded and context.mesh is not None:
+        return ShardedTeacher(model, context.mesh, context.group)
+    return LocalTeacher(model)
+
+
+def _vllm(cfg, context: TeacherContext) -> Teacher:
+    from opdistill.engines.vllm import VllmEngine
+    from opdistill.teachers.vllm import VllmTeacher
+
+    rc = cfg.rollout
+    k = cfg.loss.topk if cfg.loss.loss_mode == "topk" else 1
+    engine = VllmEngine(context.resolve(cfg.model.teacher), role="teacher", max_logprobs=max(k or 1, 20),
+                        dtype=cfg.model.dtype, seed=cfg.train.seed, max_model_len=rc.vllm_max_model_len,
+                        gpu_memory_utilization=rc.vllm_gpu_memory_utilization, kv_cache_gb=rc.vllm_kv_cache_gb,
+                        sleep=rc.vllm_sleep)
+    return VllmTeacher(engine)
+
+
+def _routed(cfg, context: TeacherContext) -> RoutedTeacher:
+    members: dict[str, Teacher] = {}
+    shared: dict[int, Teacher] = {}  # two names for one loaded model share one LocalTeacher
+    try:
+        for i, spec in enumerate(cfg.teachers):
+            if spec.path is not None:
+                model = _model(context, f"teachers.{i}.path")
+                members[spec.name] = shared.setdefault(id(model), LocalTeacher(model, key=f"teachers.{i}.path"))
+            else:
+                members[spec.name] = connect(cfg, spec, f"teachers.{i}.url", context)
+    except BaseException:
+        for m in members.values():
+            m.close()
+        raise
+    rt = cfg.routing
+    return RoutedTeacher(members, rt.table, rt.default, rt.field)
+
+
+def build_teacher(cfg, context: TeacherContext, *, train: bool = True) -> Teachers:
+    """The run's teachers (module docstring). ``train=False``: the evaluation's only (``opdistill eval``; the
+    training teacher is None). Closes what it opened if a later part fails."""
+    if cfg.teachers is not None:
+        return Teachers(_routed(cfg, context) if train else None, None)
+    if cfg.teacher.url is not None:
+        remote = connect(cfg, cfg.teacher, "teacher.url", context)
+        return Teachers(remote if train else None, remote)
+    local = _in_process(cfg, context)
+    if cfg.train.method == "rl" or not train:
+        return Teachers(None, local)
+    if context.cache is not None:
+        return Teachers(CachedTeacher(context.cache), local)
+    if cfg.teacher.engine == "vllm":
+        return Teachers(_vllm(cfg, context), local)
+    return Teachers(local, local)

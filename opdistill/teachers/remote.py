@@ -1,0 +1,123 @@
+"""A client of ``opdistill serve-teacher`` (``teacher.url``, ``teacher.api: opdistill``): :class:`RemoteTeacher`.
+
+It sends the padded rows as they are and reads the answer at the scored positions (``opdistill.teachers.wire``), so
+with the fp32 (or JSON) payload it returns the in-process teacher's scores bit for bit. At start
+(:meth:`RemoteTeacher.check_student`) the server's ``/info`` is checked against the student's tokenizer (the teacher
+cache's fingerprint: vocabulary, special tokens, chat template) and lm_head width, and refused with a diff. What the
+server's engine cannot answer (its limits in ``/info``) is refused before a request is sent
+(:func:`~opdistill.teachers.wire.engine_refusal`). Rows above the server's per-request token limit go in several
+requests.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from opdistill.loss import TeacherScores
+from opdistill.teachers.base import Rows, ScoreRequest
+from opdistill.teachers.fingerprint import TOKENIZER_FIELDS, tokenizer_fingerprint
+from opdistill.teachers.http import HttpClient, HttpTeacher, TeacherServiceError
+from opdistill.teachers.wire import (LOGPROB_CODECS, MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_result,
+                                     engine_refusal, from_wire)
+
+__all__ = ["RemoteTeacher", "TeacherServiceError"]
+
+
+def _short(field: str, value):
+    return value[:12] if field.endswith("_sha256") and isinstance(value, str) else value
+
+
+class RemoteTeacher(HttpTeacher):
+    """Our teacher server's client. ``payload``: json | fp32 | fp16 | int8 (docs/teacher_service.md); ``overlap``:
+    :meth:`submit` sends the request from a background thread (the trainer goes on with the student's forward);
+    the other keyword arguments are :class:`~opdistill.teachers.http.HttpClient`'s."""
+
+    def __init__(self, url: str, *, payload: str = "fp32", overlap: bool = False, token_file: str | None = None,
+                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, key: str = "teacher.url"):
+        if payload not in ("json",) + LOGPROB_CODECS:
+            raise ValueError(f"payload: expected one of json/fp32/fp16/int8, got {payload!r}")
+        self.payload, self.background, self.key = payload, overlap, key
+        accept = MEDIA_JSON if payload == "json" else f"{MEDIA_BINARY};logprobs={payload}"
+        self.http = HttpClient(url, token_file=token_file, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                               key=key, headers={"Accept": accept})
+        self.url = self.http.url
+        self.info: dict | None = None
+
+    def fetch_info(self) -> dict:
+        resp = self.http.request("GET", "/info", "server info")
+        try:
+            self.info = resp.json()
+        except ValueError:
+            raise TeacherServiceError(f"{self.http.where()}: GET /info answered something that is not JSON; is this "
+                                      f"an opdistill serve-teacher server?") from None
+        return self.info
+
+    def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
+        """Refuse (with a diff) a server whose tokenizer differs from the student's (the teacher cache's rules:
+        vocabulary, special tokens and chat template fingerprint, size), whose vocabulary width differs from the
+        student's lm_head, or whose largest K is below ``k``. Returns the server's /info."""
+        info = self.info or self.fetch_info()
+        current = tokenizer_fingerprint(tokenizer)
+        diff = [f"{f}: student {_short(f, current[f])!r}, server {_short(f, info.get(f))!r}"
+                for f in TOKENIZER_FIELDS if info.get(f) != current[f]]
+        if student is not None:
+            width = int(student.get_output_embeddings().weight.shape[0])
+            if info.get("teacher_vocab_size") != width:
+                diff.append(f"vocabulary width: student lm_head {width}, server teacher {info.get('teacher_vocab_size')}")
+        if diff:
+            raise TeacherServiceError(f"{self.http.where()}: the server's teacher cannot be distilled into this "
+                                      f"student: {'; '.join(diff)} (the same rules as a teacher cache's provenance)")
+        if k is not None and info.get("max_k") is not None and k > info["max_k"]:
+            raise TeacherServiceError(f"{self.http.where()}: loss.topk={k} is above the server's max K {info['max_k']}; "
+                                      f"lower loss.topk or start the server with a larger --max-k")
+        return info
+
+    def score_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
+                        k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
+                        what: str = "") -> ScoreResult:
+        """The raw answer at the scored positions (``requested_ids`` ``[P, J]``; ``opdistill.teachers.wire``)."""
+        body = {"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist(),
+                "response_mask": response_mask.tolist(), "k": k, "temperature": temperature}
+        if requested_ids is not None:
+            body["requested_ids"] = requested_ids.tolist()
+        B, S = input_ids.shape
+        what = what or f"{B} rows x {S} positions"
+        if self.info is not None:  # what the server's engine cannot answer: refused here, before sending
+            why = engine_refusal(self.info, k=k, temperature=temperature, attention_mask=attention_mask,
+                                 num_requested=None if requested_ids is None else int(requested_ids.shape[1]))
+            if why:
+                raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) cannot be served by this "
+                                          f"server ({self.info.get('engine', 'hf')} engine): {why}")
+        resp = self.http.request("POST", "/v1/score", what, content=json.dumps(body, separators=(",", ":")).encode(),
+                                 headers={"Content-Type": MEDIA_JSON})
+        try:
+            r = decode_result(resp.content, resp.headers.get("content-type", MEDIA_JSON))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered a malformed payload "
+                                      f"({e})") from None
+        P = int(Rows(input_ids, attention_mask, response_mask).scored().sum())
+        if r.next_logprobs.shape[0] != P or (k and (r.topk_ids is None or r.topk_ids.shape != (P, k))):
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered scores for "
+                                      f"{r.next_logprobs.shape[0]} positions, expected {P} (K={k})")
+        if r.temperature != float(temperature):
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) scored at temperature "
+                                      f"{r.temperature}, asked {temperature}")
+        return r
+
+    def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
+        """What :class:`~opdistill.teachers.local.LocalTeacher` returns (equal for the fp32 and JSON payloads)."""
+        B, S = rows.num_rows, rows.width
+        limit = (self.info or {}).get("max_request_tokens")
+        if limit and B * S > limit and B > 1:  # above the server's per-request limit: rows in several requests
+            step = max(1, limit // S)
+            parts = [self.score(rows.select(idx), request.select(idx, f"{request.what or 'rows'} [rows {r0}:"
+                                                                     f"{min(r0 + step, B)}]"))
+                     for r0 in range(0, B, step) for idx in [torch.arange(r0, min(r0 + step, B))]]
+            return TeacherScores.join(parts, torch.arange(B))
+        keep = rows.scored()
+        req = None if request.requested_ids is None else request.requested_ids[keep]
+        r = self.score_positions(rows.input_ids, rows.attention_mask, rows.response_mask, k=request.k,
+                                 temperature=request.temperature, requested_ids=req,
+                                 what=request.what or rows.describe())
+        return from_wire(r, keep, k=request.k, sampled=request.sampled)

@@ -1,0 +1,115 @@
+"""A teacher FSDP2-sharded over the data-parallel group (``model.teacher_sharded: true``; docs/distributed.md).
+
+For a teacher that does not fit one device: every decoder layer and the root (embeddings, final norm, lm_head) are
+``fully_shard``-ed over the data-parallel mesh, so each rank keeps 1/D of the weights; a forward gathers one layer at
+a time and frees it right after (``reshard_after_forward``). Forward only: no gradient, no optimizer state.
+
+FSDP2 gathers weights with collectives inside the forward, so **every rank must run the same number of teacher
+forwards, in the same order**. Ranks do not have the same rows: each scores its own share of the step's rollouts
+(or of the held-out set, which splits unevenly), so their row counts, and the number of row chunks, differ.
+:meth:`ShardedTeacher.score` therefore agrees on the largest chunk count over the group (one all-reduce) and a rank
+with fewer chunks runs a one-token forward for each missing one; a chunk with no scored position (whose forward the
+replicated scorer skips) also runs a forward. Every caller runs ``score`` once per step on every rank (the loop's
+scoring and the evaluation's, which runs on every rank with at least one problem each), which keeps the calls in
+step; nothing else (preflight, caches, ``opdistill eval`` / ``score``) reaches the sharded teacher. Decoding with
+the teacher (``train.method: off_policy``) would run a different number of forwards per rank and is refused, as are
+a teacher cache, a teacher server and a vLLM teacher engine, which hold no in-process teacher to shard
+(:mod:`opdistill.train.config`).
+
+The scores are the replicated teacher's exactly: the same row chunks (``row_chunk`` rows) go through the same
+:func:`~opdistill.teachers.local.score_teacher`, with the all-gathered weights bit-identical to the unsharded ones.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from opdistill.fused import backbone_of
+from opdistill.loss import TeacherScores, TeacherTopK
+from opdistill.models import decoder_layers
+from opdistill.teachers.base import Rows, ScoreRequest, Teacher
+from opdistill.teachers.local import score_teacher
+
+__all__ = ["ShardedTeacher"]
+
+ROW_CHUNK = 64  # rows per teacher forward: score_teacher's default, so the chunks are the replicated scorer's
+
+
+class _Scorer(torch.nn.Module):
+    """The FSDP2 root around the teacher: one call is one backbone forward over one row chunk (the root's forward
+    hook gathers embeddings, final norm and lm_head, each layer's hook gathers that layer), then the chunked head."""
+
+    def __init__(self, teacher):
+        super().__init__()
+        self.teacher = teacher
+
+    def forward(self, rows: Rows | None, request: ScoreRequest):
+        positions = None if rows is None else rows.scored()
+        if rows is None or not bool(positions.any()):
+            # nothing to score here, but the other ranks run a forward now: run one too (one token) and discard it
+            dummy = torch.zeros(1, 1, dtype=torch.long, device=self.teacher.device)
+            backbone_of(self.teacher)(input_ids=dummy, attention_mask=torch.ones_like(dummy))
+            return None
+        return score_teacher(self.teacher, rows.input_ids, rows.attention_mask, k=request.k,
+                             sampled_ids=rows.targets() if request.sampled else None, positions=positions,
+                             requested_ids=request.requested_ids, temperature=request.temperature,
+                             row_chunk=max(1, rows.num_rows))
+
+
+class ShardedTeacher(Teacher):
+    """The teacher sharded over ``mesh`` (a 1-D data-parallel device mesh) and its ``group``. ``model`` is the
+    unwrapped teacher (its parameters are DTensor shards between calls)."""
+
+    key = "model.teacher"
+
+    def __init__(self, teacher, mesh, group, *, row_chunk: int = ROW_CHUNK):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model, self.group, self.row_chunk = teacher, group, row_chunk
+        teacher.requires_grad_(False).eval()
+        for layer in decoder_layers(teacher):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        self._root = _Scorer(teacher)
+        # reshard_after_forward given explicitly: FSDP2's default keeps the root's weights gathered after forward
+        fully_shard(self._root, mesh=mesh, reshard_after_forward=True)
+        self.forwards = 0  # teacher forwards run on this rank (the test checks every rank ran the same number)
+
+    @torch.no_grad()
+    def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
+        """This rank's rows, scored exactly as :class:`~opdistill.teachers.local.LocalTeacher` scores them. Every rank
+        of the group must call this together (any row count, zero included)."""
+        starts = list(range(0, rows.num_rows, self.row_chunk))
+        n = torch.tensor([len(starts)], dtype=torch.long)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        parts = []
+        for i in range(int(n)):
+            self.forwards += 1
+            if i >= len(starts):
+                self._root(None, request)
+                continue
+            chunk = torch.arange(starts[i], min(starts[i] + self.row_chunk, rows.num_rows))
+            parts.append((chunk.numel(), self._root(rows.select(chunk), request.select(chunk, request.what))))
+        return _join(parts, rows.width, request)
+
+
+def _join(parts, S: int, request: ScoreRequest) -> TeacherScores:
+    """The chunks' scores stacked on rows; a chunk with nothing scored holds what
+    :func:`~opdistill.teachers.local.score_teacher` writes outside its ``positions`` (empty slots, 0, -inf)."""
+    k, J = request.k, None if request.requested_ids is None else request.requested_ids.shape[-1]
+    filled = []
+    for b, out in parts:
+        if out is None:  # nothing scored in these b rows
+            out = TeacherScores(
+                None if not k else _empty_topk(b, S, k),
+                torch.zeros(b, S) if request.sampled else None,
+                torch.full((b, S, J), float("-inf")) if J is not None else None)
+        filled.append(out)
+    if not filled:
+        return TeacherScores(_empty_topk(0, S, k) if k else None, torch.zeros(0, S) if request.sampled else None,
+                             torch.zeros(0, S, J) if J is not None else None)
+    order = torch.arange(sum(b for b, _ in parts))
+    return TeacherScores.join(filled, order)
+
+
+def _empty_topk(b: int, S: int, k: int) -> TeacherTopK:
+    return TeacherTopK(torch.zeros(b, S, k, dtype=torch.long), torch.full((b, S, k), float("-inf")), validated=True)
