@@ -48,12 +48,14 @@ def _cmd_eval(args):
 
     import torch
 
+    from opdistill.data import PromptSource
+    from opdistill.models import resolve_model_path
+    from opdistill.runs.values import nest_intervals
+    from opdistill.teachers import TeacherContext, build_teacher
     from opdistill.train import load_config
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
-    from opdistill.train.evaluate import nest_intervals
-    from opdistill.train.loop import run_eval, build_task, load_models
+    from opdistill.train.loop import build_task, load_models, run_eval
     from opdistill.train.preflight import check_against_models, check_model_folders
-    from opdistill.data import PromptSource
 
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
     if config is None:  # opdistill eval RUN_DIR [overrides]: the run's resolved config, its newest checkpoint
@@ -78,8 +80,14 @@ def _cmd_eval(args):
     task = build_task(cfg)
     check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
-    metrics = run_eval(cfg, tok, student, teacher, task, held_out,
-                       values_path=Path(args.values) if args.values else None)
+    models = {} if teacher is None else {"model.teacher": teacher}
+    teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
+                                                 resolve=resolve_model_path), train=False)
+    try:
+        metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out,
+                           values_path=Path(args.values) if args.values else None)
+    finally:
+        teachers.close()
     report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
               "num_samples": cfg.eval.num_samples, "bootstrap_resamples": cfg.eval.bootstrap_resamples,
               "level": 0.95, "metrics": nest_intervals(metrics)}
@@ -90,7 +98,7 @@ def _cmd_eval(args):
 
 
 def _cmd_compare(args):
-    from opdistill.train.compare import compare
+    from opdistill.runs.compare import compare
 
     res = compare(args.run_dirs, out=args.out, metrics=args.metric or None, baseline=args.baseline)
     print(res["table"])
@@ -98,7 +106,7 @@ def _cmd_compare(args):
 
 
 def _cmd_plot(args):
-    from opdistill.train.plot import plot_run
+    from opdistill.runs.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
 
@@ -106,10 +114,9 @@ def _cmd_plot(args):
 def _cmd_score(args):
     import torch
 
-    from opdistill.batch import shift_for_next_token
     from opdistill.data import PromptSource, render_prompt
-    from opdistill.rollout import generate_rollouts
-    from opdistill.teacher import TeacherScores, save_cache, score_teacher
+    from opdistill.engines.rollout import generate_rollouts
+    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, save_cache
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
@@ -133,8 +140,8 @@ def _cmd_score(args):
                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                            min_new_tokens=cfg.rollout.min_new_tokens, batch_size=cfg.rollout.batch_size,
                            seed=cfg.train.seed, step=0)
-    targets, _ = shift_for_next_token(ro.input_ids, ro.response_mask)
-    scores = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=cfg.loss.topk, sampled_ids=targets)
+    scores = LocalTeacher(teacher).score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
+                                         ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)

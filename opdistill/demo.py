@@ -23,17 +23,17 @@ band, the mean over seeds bold (``opdistill compare``'s plotting).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from opdistill.train.compare import Group, load_runs, metric_sums, plot_groups, read_values
-from opdistill.train.config import load_config
-from opdistill.train.loop import run_eval, build_task, load_models, run_training
-from opdistill.train.stats import paired_difference
 from opdistill.data import PromptSource
+from opdistill.runs.compare import Group, load_runs, metric_sums, plot_groups, read_values
+from opdistill.runs.stats import paired_difference
+from opdistill.teachers import LocalTeacher
+from opdistill.train.config import load_config
+from opdistill.train.loop import build_task, load_models, run_eval, run_training
 
 __all__ = ["demo_config", "run_demo", "format_table", "demo_figure", "method_differences"]
 
@@ -165,7 +165,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     tok, student0, teacher = load_models(base)
     task = build_task(base)
     held_out = PromptSource(task, seeds[0], base.data.eval_seed).held_out(eval_prompts)  # the same for every run
-    teacher_eval = run_eval(base, tok, teacher, teacher, task, held_out)
+    teacher_eval = run_eval(base, tok, teacher, LocalTeacher(teacher), task, held_out)  # the teacher itself
     log(f"teacher held-out: greedy acc {teacher_eval['eval/greedy_acc']:.3f}, "
         f"sampled acc {teacher_eval['eval/sampled_acc']:.3f}")
     start_state = {k: v.clone() for k, v in student0.state_dict().items()}

@@ -8,8 +8,8 @@ distillation, K for top-k, no ``full`` mode) run right after. A failure raises :
 :class:`opdistill.DistillationConfig`: its fields are type-checked the same way (from the dataclass's own
 annotations, so the schema has one home) and its own rules then run in its ``__post_init__``.
 
-Checks that need the loaded models (K against the vocabulary, prompt length against the model's positions, fp16
-weights) live in :mod:`opdistill.train.preflight`.
+Checks that need the model folders' metadata (K against the vocabulary, prompt length against the model's positions,
+tokenizers) or the process layout live in :mod:`opdistill.train.preflight` and run before any model loads.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class EvalConfig(_Section):
     topk: int = Field(8, ge=1)  # for the overlap / mass diagnostics
     batch_size: int = Field(256, ge=1)
     max_new_tokens: Optional[int] = Field(None, ge=1)  # default: rollout.max_new_tokens
-    # confidence intervals (opdistill/train/stats.py): samples per problem for the sampled metrics, and the
+    # confidence intervals (opdistill/runs/stats.py): samples per problem for the sampled metrics, and the
     # percentile-bootstrap resamples over problems (0 = point estimates only)
     num_samples: int = Field(1, ge=1)
     bootstrap_resamples: int = Field(1000, ge=0)

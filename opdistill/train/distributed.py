@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from opdistill.errors import ConfigError, UserError
+from opdistill.models import decoder_layers
 from opdistill.train.placement import run_device
 
 __all__ = ["DistContext", "PeerError", "init_distributed", "launched_by_torchrun", "resolve_backend",
@@ -245,19 +246,6 @@ def init_distributed(cfg) -> DistContext:
         ctx.close()
         raise
     return ctx
-
-
-def decoder_layers(model) -> list:
-    """The transformer blocks of a transformers causal LM (``model.model.layers`` and the like), else []."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
-        node = model
-        for part in path.split("."):
-            node = getattr(node, part, None)
-            if node is None:
-                break
-        if isinstance(node, torch.nn.ModuleList):
-            return list(node)
-    return []
 
 
 def wrap_student(ctx: DistContext, student):

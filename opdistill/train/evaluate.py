@@ -1,27 +1,13 @@
-"""Held-out evaluation: verifier accuracy (greedy and sampled) and the student's distance to the teacher, each with a
-95% confidence interval (a percentile bootstrap over problems, :mod:`opdistill.train.stats`).
+"""Held-out evaluation: verifier accuracy (greedy and sampled) and the student's distance to the teacher.
 
-Per problem, :func:`evaluate_values` measures (an :class:`EvalValues`, one entry per problem, easy to concatenate
-across ranks): greedy correct (0/1), sampled correct out of ``num_samples`` samples, and on the student's samples
-(temperature 1, the rollout temperature) the per-response sums of the teacher-KL estimates, the top-k tail reverse KL,
-the masses and the overlap, with their token counts. :func:`summarize` turns them into metrics, each a ratio of sums
-over problems (token-weighted metrics stay token-weighted), with ``_lo`` / ``_hi`` bounds:
-
-    eval/greedy_acc        greedy correct / problems
-    eval/sampled_acc       correct samples / samples
-    eval/response_len      response tokens / samples
-    eval/teacher_kl        k1: sum over response tokens of log pi(y_t) - log nu(y_t) / tokens (a per-token Monte-Carlo
-                           estimate of the reverse KL(pi || nu) along the student's trajectories)
-    eval/teacher_kl_k3     k3: sum of (r - 1) - log r, r = nu(y_t) / pi(y_t), / tokens (unbiased, >= 0 per token)
-    eval/teacher_kl_seq    the k1 sum per response: sum / samples
-    eval/topk_reverse_kl   the top-k tail reverse KL (K+1 buckets, ``topk``) / tokens
-    eval/student_mass      sum_k pi(i_k) on the teacher's top-k / tokens;  eval/teacher_mass likewise
-    eval/overlap_ratio     |teacher top-k cap student top-k| / (K tokens)
-
-The per-problem values themselves are kept as JSON (:func:`values_to_json`): the trainer writes one file per
-evaluation, ``RUN_DIR/eval/step_NNNNNN.json``, and ``opdistill eval --values FILE`` writes them for any checkpoint, so two
-evaluations of the same problems can be compared paired over problems (``opdistill compare``,
-:func:`opdistill.train.stats.paired_change`).
+Per problem, :func:`evaluate_values` measures (an :class:`~opdistill.runs.values.EvalValues`, one entry per problem,
+easy to concatenate across ranks): greedy correct (0/1), sampled correct out of ``num_samples`` samples, and on the
+student's samples (temperature 1, the rollout temperature) the per-response sums of the teacher-KL estimates, the top-k
+tail reverse KL, the masses and the overlap, with their token counts. ``opdistill.runs.values.summarize`` turns them
+into metrics (``eval/greedy_acc``, ``eval/teacher_kl``, ...: each a ratio of sums over problems with a 95% bootstrap
+interval), and the values themselves are kept as JSON: the trainer writes one file per evaluation,
+``RUN_DIR/eval/step_NNNNNN.json``, and ``opdistill eval --values FILE`` writes them for any checkpoint, so two
+evaluations of the same problems can be compared paired over problems (``opdistill compare``).
 
 Sampling is keyed by a fixed seed (step 0, the prompt's index + ``prompt_offset``, the sample's index), so every
 evaluation of a run (and of every method in the demo) sees the same prompts and the same samples' randomness, and a
@@ -29,8 +15,7 @@ rank evaluating a slice of the problems draws exactly what one process would.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -38,85 +23,11 @@ import torch.distributed as dist
 from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
-from opdistill.rollout import generate_rollouts
-from opdistill.train.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, ratio_intervals
-from opdistill.train.remote_teacher import score_rows
+from opdistill.engines.rollout import generate_rollouts
+from opdistill.runs.values import EvalValues
+from opdistill.teachers import Rows, ScoreRequest, Teacher
 
-__all__ = ["EvalValues", "METRICS", "evaluate_values", "gather_values", "summarize", "nest_intervals",
-           "values_to_json", "values_from_json"]
-
-# metric -> (numerator field, denominator field) of EvalValues; "overlap_ratio"'s denominator is K x tokens
-METRICS = {
-    "eval/greedy_acc": ("greedy_correct", "problems"),
-    "eval/sampled_acc": ("sampled_correct", "samples"),
-    "eval/response_len": ("tokens", "samples"),
-    "eval/teacher_kl": ("k1_sum", "tokens"),
-    "eval/teacher_kl_k3": ("k3_sum", "tokens"),
-    "eval/teacher_kl_seq": ("k1_sum", "samples"),
-    "eval/topk_reverse_kl": ("tail_kl_sum", "tokens"),
-    "eval/student_mass": ("student_mass_sum", "tokens"),
-    "eval/teacher_mass": ("teacher_mass_sum", "tokens"),
-    "eval/overlap_ratio": ("overlap_count", "overlap_slots"),
-}
-
-
-@dataclass
-class EvalValues:
-    """Per-problem sums (float64 tensors of shape [P]); a field is None when it was not measured (no greedy pass,
-    no sampling, no teacher). ``cat`` joins the values of disjoint problem slices (e.g. one per rank) in order."""
-
-    problems: torch.Tensor  # 1 per problem (the denominator of greedy accuracy)
-    greedy_correct: torch.Tensor | None = None
-    samples: torch.Tensor | None = None  # samples drawn for the problem (eval.num_samples)
-    sampled_correct: torch.Tensor | None = None  # how many of them the verifier accepts
-    tokens: torch.Tensor | None = None  # response tokens over the problem's samples (EOS included)
-    k1_sum: torch.Tensor | None = None
-    k3_sum: torch.Tensor | None = None
-    tail_kl_sum: torch.Tensor | None = None
-    student_mass_sum: torch.Tensor | None = None
-    teacher_mass_sum: torch.Tensor | None = None
-    overlap_count: torch.Tensor | None = None
-    overlap_slots: torch.Tensor | None = None  # K x tokens
-
-    @property
-    def num_problems(self) -> int:
-        return self.problems.numel()
-
-    @classmethod
-    def cat(cls, parts: list["EvalValues"]) -> "EvalValues":
-        out = {}
-        for f in fields(cls):
-            vals = [getattr(p, f.name) for p in parts]
-            present = [v is not None for v in vals]
-            if any(present) and not all(present):
-                raise ValueError(f"EvalValues.cat: {f.name} is measured in some parts only")
-            out[f.name] = torch.cat(vals) if all(present) else None
-        return cls(**out)
-
-
-def values_to_json(values: EvalValues) -> dict[str, list[float]]:
-    """{field: [one float per problem]} for every measured field (plain JSON)."""
-    return {f.name: getattr(values, f.name).tolist() for f in fields(EvalValues) if getattr(values, f.name) is not None}
-
-
-def values_from_json(data, source: str = "values") -> EvalValues:
-    """The inverse of :func:`values_to_json`, checked: known fields only, ``problems`` present, one finite number per
-    problem in every field (ValueError naming ``source`` and the field otherwise)."""
-    known = {f.name for f in fields(EvalValues)}
-    if not isinstance(data, dict) or "problems" not in data:
-        raise ValueError(f"{source}: expected an object of per-problem lists with a 'problems' list")
-    out = {}
-    for name, vals in data.items():
-        if name not in known:
-            raise ValueError(f"{source}: unknown field {name!r} (expected some of {sorted(known)})")
-        if not isinstance(vals, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                 and math.isfinite(v) for v in vals):
-            raise ValueError(f"{source}: field {name!r} must be a list of finite numbers")
-        out[name] = torch.tensor(vals, dtype=torch.float64)
-    lengths = {len(v) for v in out.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"{source}: every field needs one value per problem, got lengths {sorted(lengths)}")
-    return EvalValues(**out)
+__all__ = ["evaluate_values", "gather_values"]
 
 
 def gather_values(values: EvalValues, group) -> EvalValues:
@@ -147,7 +58,7 @@ def _per_problem(values: torch.Tensor, prompt_index: list[int], num_problems: in
 
 
 @torch.no_grad()
-def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, teacher=None,
+def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, teacher: Teacher | None = None,
                     temperature: float = 1.0, max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True,
                     topk: int = 8, batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234,
                     num_samples: int = 1, prompt_offset: int = 0) -> EvalValues:
@@ -177,8 +88,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals.tokens = _per_problem(m.sum(-1), idx, P)
     if teacher is None:
         return vals
-    scores = score_rows(teacher, s.input_ids, s.attention_mask, s.response_mask, k=topk, sampled=True,
-                        what="evaluation")  # in process, or the teacher.url server
+    scores = teacher.score(Rows(s.input_ids, s.attention_mask, s.response_mask),
+                           ScoreRequest(k=topk, sampled=True, what="evaluation"))  # any Teacher (opdistill.teachers)
     # log r = log nu - log pi at the sampled token (sampler log-probs are the student's at the eval temperature)
     log_r = (scores.sampled_logprobs.double() - s.sampler_logprobs.double())
     k1 = torch.where(m, -log_r, 0.0)
@@ -214,38 +125,3 @@ def _diagnostic_rows(student, seq_len: int, batch_size: int) -> int:
     head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
     vocab = int(head.weight.shape[0]) if head is not None and hasattr(head, "weight") else 1
     return max(1, min(batch_size, DIAGNOSTIC_LOGITS // max(1, seq_len * vocab)))
-
-
-def summarize(values: EvalValues, *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
-              level: float = DEFAULT_LEVEL) -> dict[str, float]:
-    """{metric: point estimate, metric_lo, metric_hi} for every metric ``values`` measured (bootstrap over problems;
-    ``resamples=0``: point estimates only)."""
-    if values.num_problems == 0:
-        return {}
-    ratios = {}
-    for name, (num, den) in METRICS.items():
-        a, b = getattr(values, num), getattr(values, den)
-        if a is not None and b is not None:
-            ratios[name] = (a.numpy(), b.numpy())
-    out: dict[str, float] = {}
-    if resamples == 0:
-        for name, (a, b) in ratios.items():
-            out[name] = float(a.sum() / b.sum()) if b.sum() != 0 else float("nan")
-        return out
-    for name, iv in ratio_intervals(ratios, resamples=resamples, seed=seed, level=level).items():
-        out[name], out[f"{name}_lo"], out[f"{name}_hi"] = iv.value, iv.lo, iv.hi
-    return out
-
-
-def nest_intervals(metrics: dict) -> dict[str, dict]:
-    """{metric: value, metric_lo, metric_hi} -> {metric: {"value", "lo", "hi"}} (non-finite numbers -> None, so the
-    result is plain JSON; lo/hi None when the metric has no interval)."""
-    def num(x):
-        return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
-
-    out = {}
-    for name, v in metrics.items():
-        if name.endswith(("_lo", "_hi")) and name[:-3] in metrics:
-            continue
-        out[name] = {"value": num(v), "lo": num(metrics.get(f"{name}_lo")), "hi": num(metrics.get(f"{name}_hi"))}
-    return out

@@ -20,19 +20,15 @@ import signal
 import threading
 from pathlib import Path
 
-from opdistill.train.rundir import atomic_write_text, open_nofollow, read_jsonl
+from opdistill.runs.files import read_metrics
+from opdistill.train.rundir import atomic_write_text, open_nofollow
 
-__all__ = ["PROGRESS_KEYS", "RunLogger", "NullLogger", "read_metrics"]
+__all__ = ["PROGRESS_KEYS", "RunLogger", "NullLogger"]
 
 # (metric, short name) shown on the progress bar when the step emits it; RL emits policy/loss, distillation emits
 # distillation/loss (tests/test_trainer_metric_names.py checks that every name here is emitted by some run)
 PROGRESS_KEYS = (("distillation/loss", "loss"), ("policy/loss", "pg"), ("train/reward", "reward"),
                  ("eval/teacher_kl", "kl"), ("eval/greedy_acc", "acc"))
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl (a torn last line is dropped with a ``RunWarning``)."""
-    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 class _TensorBoardThread:

@@ -14,9 +14,10 @@ import os
 
 import torch
 
+from opdistill import TeacherScores
 from opdistill.errors import ConfigError
 
-__all__ = ["run_device", "place_models", "data_to", "scores_to"]
+__all__ = ["run_device", "place_models", "data_to"]
 
 
 def run_device(cfg) -> torch.device:
@@ -49,22 +50,20 @@ def place_models(device: torch.device, student, teacher, *, teacher_sharded: boo
 
 
 def data_to(data, device: torch.device):
-    """A :class:`~opdistill.train.step.StepData` with every tensor on ``device`` (itself when already there)."""
+    """A :class:`~opdistill.train.step.StepData` with every tensor (scores and metric groups included) on ``device``
+    (itself when already there). Scores still on their way (a Future) follow the rows when they arrive
+    (``StepData.teacher_scores``)."""
     if data.input_ids.device == device:
         return data
     return dataclasses.replace(data, **{f.name: _to(getattr(data, f.name), device) for f in dataclasses.fields(data)})
 
 
-def scores_to(topk, sampled, device: torch.device):
-    """``(teacher top-k, teacher sampled log-probs)`` on ``device``: scores that arrive after :func:`data_to` moved
-    the step's rows (a remote teacher's overlapped request, ``StepData.pending``) follow them there."""
-    return _to(topk, device), _to(sampled, device)
-
-
 def _to(v, device: torch.device):
-    """A tensor or a TeacherTopK on ``device``; anything else (None, names, a PendingScores) as it is."""
+    """A tensor, TeacherScores or dict of tensors on ``device``; anything else (None, a Future) as it is."""
     if isinstance(v, torch.Tensor):
         return v.to(device)
-    if v is not None and hasattr(v, "ids") and hasattr(v, "logprobs"):  # TeacherTopK
-        return type(v)(v.ids.to(device), v.logprobs.to(device), validated=v.validated)
+    if isinstance(v, dict):
+        return {k: _to(x, device) for k, x in v.items()}
+    if isinstance(v, TeacherScores):
+        return v.to(device)
     return v

@@ -1,37 +1,70 @@
-"""Checks that need the loaded models, run right after they load and before any evaluation or training.
+"""Every refusal a run can decide before it loads a weight, and the few that need the loaded weights.
 
-:func:`opdistill.train.config.load_config` checks everything a config alone can tell; what is left needs the models:
-K against the vocabulary, prompt length against the model's positions, the weights' dtype. Each failure is a
-:class:`ConfigError` (or a :class:`DataError` for a dataset row) whose one-line message names the key to change.
+:func:`opdistill.train.config.load_config` checks everything a config alone can tell. What is left needs the machine,
+the process layout or the model folders; :func:`check_before_loading` runs all of it from the folders' metadata
+(``config.json``, the tokenizers) before any model is loaded, so a run that cannot work stops in seconds, not after
+minutes of loading:
+
+- the machine: ``train.device: cuda`` without a GPU; a missing extra (vllm, peft, httpx);
+- the process layout: vLLM engines under torchrun (one engine per rank is not wired yet);
+- the folders: student and teacher tokenizers and output widths (:func:`opdistill.models.check_compatible`), a
+  teacher head transform opdistill does not know, ``model.student_from_teacher_layers`` beyond the teacher's layers,
+  ``distributed.tp_size`` above the vocabulary, a soft-capped student head with ``train.fused_lm_head``;
+- the config against them (:func:`check_metadata`): fp16 training, ``loss.topk`` / ``eval.topk`` above the vocabulary,
+  ``max_new_tokens`` against the positions, prompts that do not fit (a dataset's rows refused or cut by
+  ``data.overlong``, a generated task's refused naming ``data.task_args``), unknown characters (one warning);
+- the data: a dataset's routing values against ``routing``; a sharded teacher's held-out share per rank; the teacher
+  cache file (format, checksum, values, K against ``loss.topk``).
+
+After loading, before any evaluation: NaN/inf weights (:func:`check_finite_weights`) and the cache's provenance
+against the loaded teacher (``opdistill.train.assemble``). Each failure is a :class:`ConfigError` (or a
+:class:`DataError` for a dataset row, a :class:`ModelError` for a folder) whose one-line message names the key.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from opdistill.data import DatasetTask, PromptSource, Task
 from opdistill.data.prompts import warn_unknown_chars
-from opdistill.errors import ConfigError, ModelError
-from opdistill.models import resolve_model_path
+from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
+from opdistill.models import (check_compatible, model_folder, model_positions, num_layers, output_width,
+                              resolve_model_path)
 from opdistill.train.config import TrainerConfig
 
-__all__ = ["check_model_folders", "check_finite_weights", "check_finite_model", "check_against_models",
-           "model_positions"]
+__all__ = ["ModelInfo", "check_model_folders", "check_before_loading", "check_metadata", "check_finite_weights",
+           "check_finite_model", "check_loaded", "check_against_models", "check_held_out", "check_routing",
+           "resolve_folder"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a run knows of one model before (or without) its weights: the config key that names it, its folder,
+    its transformers config (or the loaded model, when a caller hands models in) and its tokenizer."""
+
+    key: str
+    path: str | None
+    model: object  # a transformers config, or a loaded model
+    tokenizer: object = None
 
 
 def check_model_folders(cfg: TrainerConfig) -> None:
     """Before loading: each of ``model.student`` / ``model.teacher`` names a model folder (or a builtin, or a hub
     id); a ConfigError / ModelError names the key otherwise (``model.student: no such folder '...'``)."""
-    from opdistill.models import model_folder
-
     for key, name in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
         if name and not (key == "model.teacher" and name == "self"):  # self: the LoRA student's base
-            try:
-                path = resolve_model_path(name)
-            except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
-                raise ConfigError(f"{key}: {str(e).removeprefix('model: ')}") from None
-            model_folder(path, key)
+            resolve_folder(name, key)
+
+
+def resolve_folder(name: str, key: str) -> str:
+    """``name`` (a folder, builtin or hub id) as a model folder; a one-line error naming ``key`` otherwise."""
+    try:
+        path = resolve_model_path(name)
+    except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
+        raise ConfigError(f"{key}: {str(e).removeprefix('model: ')}") from None
+    return model_folder(path, key)
 
 
 def check_finite_weights(cfg: TrainerConfig, student, teacher) -> None:
@@ -52,40 +85,48 @@ def check_finite_model(key: str, model, path) -> None:
                              f"use an intact model folder")
 
 
-def model_positions(model) -> int | None:
-    """How many positions the model was built for (None when its config does not say)."""
-    c = model.config
-    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+def check_loaded(cfg: TrainerConfig, student, teacher, *, training: bool = True) -> None:
+    """What only loaded weights tell: NaN/inf weights, and fp16 trainable parameters (a model handed in need not be
+    in ``model.dtype``; ``training=False``: fp16 is fine for ``opdistill eval`` and ``score``)."""
+    check_finite_weights(cfg, student, teacher)
+    if training and cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
+        raise ConfigError(_FP16)
 
 
 def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task, *,
                          training: bool = True) -> None:
-    """Refuse, naming the key, what the config asks and the loaded models cannot do; fit a dataset's prompts.
+    """:func:`check_metadata` on loaded models, after :func:`check_loaded`."""
+    check_loaded(cfg, student, teacher, training=training)
+    teachers = [] if teacher is None else [ModelInfo("model.teacher", None, teacher)]
+    check_metadata(cfg, tokenizer, ModelInfo("model.student", None, student), teachers, task, training=training)
 
-    - fp16 student weights when training (``model.dtype``): there is no loss scaling, so small gradients flush to 0
-      and one overflow makes every weight NaN;
+
+_FP16 = ("model.dtype: float16 training is refused: the trainer has no loss scaling, so small gradients flush to zero "
+         "and one overflow turns every weight into NaN; use bfloat16 or float32 (float16 is fine for eval and score)")
+
+
+def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,
+                   training: bool = True) -> None:
+    """Refuse, naming the key, what the config asks and the models (their configs or the loaded models) cannot do;
+    fit a dataset's prompts:
+
+    - fp16 training (``model.dtype``): there is no loss scaling, so small gradients flush to 0 and one overflow makes
+      every weight NaN;
     - ``loss.topk`` (distillation methods) and ``eval.topk`` above the vocabulary;
     - ``rollout.max_new_tokens`` / ``eval.max_new_tokens`` leaving no room for a prompt within the positions;
     - prompts longer than positions - max_new_tokens: a dataset's rows are refused or cut (``data.overlong``), a
       generated task's (its held-out set and first training batch) are refused naming ``data.task_args``;
-    - characters the tokenizer maps to its unknown token: one warning with a count;
-    - NaN/inf weights in either model (:func:`check_finite_weights`).
-
-    ``training=False`` (``opdistill eval`` / ``score``): the same checks but fp16 weights, which are fine there.
+    - characters the tokenizer maps to its unknown token: one warning with a count.
     """
-    check_finite_weights(cfg, student, teacher)
-    if training and cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
-        raise ConfigError("model.dtype: float16 training is refused: the trainer has no loss scaling, so small "
-                          "gradients flush to zero and one overflow turns every weight into NaN; use bfloat16 or "
-                          "float32 (float16 is fine for eval and score)")
-    head = student.get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None else student.config.vocab_size
+    if training and cfg.train.steps > 0 and cfg.model.dtype == "float16":
+        raise ConfigError(_FP16)
+    vocab = output_width(student.model, scoring=False)
     if cfg.train.method != "rl" and cfg.loss.topk is not None and cfg.loss.topk > vocab:
         raise ConfigError(f"loss.topk: expected at most the vocabulary size {vocab}, got {cfg.loss.topk}")
     if cfg.eval.topk > vocab:
         raise ConfigError(f"eval.topk: expected at most the vocabulary size {vocab}, got {cfg.eval.topk}")
 
-    positions = [n for n in (model_positions(m) for m in (student, teacher) if m is not None) if n]
+    positions = [n for n in (model_positions(m.model) for m in [student] + teachers) if n]
     if not positions:
         return
     positions = min(positions)
@@ -110,3 +151,90 @@ def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: 
         raise ConfigError(f"data.task_args: {task.name} prompts reach {max(n for _, n in too_long)} tokens, more than "
                           f"the {budget} the model allows ({positions} positions - {new} for {new_key}); use smaller "
                           f"task_args or a lower {new_key}")
+
+
+# -- before any weight is loaded -----------------------------------------------------------------------------------
+def check_environment(cfg: TrainerConfig, world: int) -> None:
+    """What the machine and the process layout cannot run: vLLM engines under torchrun, a missing vllm / peft /
+    httpx, ``train.device: cuda`` without a GPU (``placement.run_device``)."""
+    import importlib.util
+
+    from opdistill.engines.vllm import INSTALL_HINT, vllm_available
+    from opdistill.train.placement import run_device
+
+    engines = [k for k, v in (("rollout.engine", cfg.rollout.engine), ("teacher.engine", cfg.teacher.engine))
+               if v == "vllm"]
+    if engines and world > 1:
+        raise ConfigError("rollout.engine / teacher.engine: vllm engines run in one process in this version "
+                          "(one engine per rank under torchrun is not wired yet); use hf with torchrun")
+    if engines and not vllm_available():
+        raise ConfigError(f"{engines[0]}: vllm, but the vllm package is not installed; {INSTALL_HINT}")
+    if cfg.model.lora is not None and importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora: LoRA students need the peft package (the lora extra): pip install "
+                          "'opdistill[lora]'")
+    urls = [("teacher.url", cfg.teacher.url)] + [(f"teachers.{i}.url", t.url) for i, t in enumerate(cfg.teachers or [])]
+    urls = [k for k, u in urls if u is not None]
+    if urls and importlib.util.find_spec("httpx") is None:
+        raise ConfigError(f"{urls[0]}: the teacher client needs the serve extra (httpx is missing): "
+                          "pip install 'opdistill[serve]'")
+    run_device(cfg)
+
+
+def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,
+                         world: int, dp: int, held_out: int) -> None:
+    """Every refusal the metadata decides (module docstring), before any weight is read. ``teachers``: the
+    in-process teachers' infos (``model.teacher`` or the ``teachers`` entries with a path); ``world``/``dp``: the
+    world and data-parallel sizes; ``held_out``: the held-out problems."""
+    check_environment(cfg, world)
+    layers = cfg.model.student_from_teacher_layers
+    if layers is not None:
+        n = num_layers(student.model)
+        if n is not None and not 1 <= layers <= n:
+            raise ConfigError(f"model.student_from_teacher_layers: expected 1..{n} (the layers of this model), "
+                              f"got {layers}")
+    for t in teachers:
+        try:
+            check_compatible(tokenizer, t.tokenizer, student.model, t.model)
+        except IncompatibleModelsError as e:
+            raise IncompatibleModelsError(f"{t.key}: " + str(e).removeprefix("model.teacher: ")) from None
+    if cfg.train.fused_lm_head:
+        from opdistill.fused import head_transform
+
+        config = student.model.config if hasattr(student.model, "get_output_embeddings") else student.model
+        if head_transform(config)[1] is not None:
+            raise ConfigError("train.fused_lm_head: the student soft-caps its logits (c * tanh(z / c)), which the "
+                              "fused lm_head path does not implement; set train.fused_lm_head=false")
+    tp = cfg.distributed.tp_size
+    vocab = output_width(student.model, scoring=False)
+    if tp > 1 and world > 1 and vocab < tp:
+        raise ConfigError(f"distributed.tp_size={tp}: larger than the student's vocabulary ({vocab}); set "
+                          f"distributed.tp_size to a divisor of the world size of at most {vocab}")
+    check_metadata(cfg, tokenizer, student, teachers, task)
+    check_routing(cfg, task)
+    check_held_out(cfg, held_out, world=world, dp=dp)
+
+
+def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) -> None:
+    """A sharded teacher scores in every rank's evaluation, so every data-parallel rank needs at least one held-out
+    problem (a rank without one would skip its forwards while the others wait on its gathers): refused in one line."""
+    if cfg.model.teacher_sharded and world > 1 and cfg.eval.sampled and 0 < held_out < dp:
+        raise ConfigError(f"eval.num_prompts: the held-out set has {held_out} problem(s), fewer than the "
+                          f"{dp} data-parallel ranks; with model.teacher_sharded every rank evaluates at least one "
+                          f"(add held-out rows, or set eval.num_prompts=0)")
+
+
+def check_routing(cfg: TrainerConfig, task: Task) -> None:
+    """A dataset's routing values against ``routing`` (known once its rows are read; generated tasks are checked at
+    load by the config)."""
+    if cfg.teachers is None or not isinstance(task, DatasetTask):
+        return
+    rt = cfg.routing
+    values = {p.task for p in task.rows + task.eval_rows}
+    for v in rt.table:
+        if v not in values:
+            raise ConfigError(f"routing.table.{v}: no row of {cfg.data.path} has {rt.field} {v!r} (values: "
+                              f"{sorted(values)[:10]})")
+    missing = sorted(v for v in values if v not in rt.table)
+    if missing and rt.default is None:
+        raise ConfigError(f"routing.table: {rt.field} {missing[0]!r} of {cfg.data.path} has no teacher "
+                          f"({len(missing)} value(s) unrouted); add it to routing.table or set routing.default")

@@ -23,12 +23,12 @@ import fnmatch
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import yaml
 
-from opdistill.errors import UserError
+from opdistill.errors import RunError, RunWarning
+from opdistill.runs.files import flatten_config, read_jsonl
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
@@ -71,23 +71,12 @@ RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoi
 _LOCK = ".lock"
 
 
-class RunError(UserError):
-    """A refusal of the run directory, a checkpoint or the run's state; the message is one line naming the file or
-    key and the fix. The CLI prints it and exits 2."""
-
-    kind = "run error"
-
-
 class CheckpointError(RunError):
     """A checkpoint is missing, incomplete, corrupt (SHA-256 mismatch) or not in this version's format."""
 
 
 class NonFiniteError(RunError):
     """Training produced non-finite values (loss, gradient or weights) and was stopped."""
-
-
-class RunWarning(UserWarning):
-    """Something in the run directory was skipped or repaired (a corrupt checkpoint, a stray folder, a torn line)."""
 
 
 def check_not_symlink(path: Path) -> None:
@@ -130,39 +119,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSON-lines file written by appends. A last line that does not parse is a write torn by a kill: it is
-    dropped with a :class:`RunWarning`; a bad line before the last is corruption and raises :class:`RunError`."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                warnings.warn(f"{path}: line {i + 1} is torn (a write cut off by a kill?); it is ignored and will be "
-                              f"cut off on resume", RunWarning, stacklevel=2)
-                break
-            raise RunError(f"{path}: line {i + 1} is not JSON ({e.msg}); the file is corrupt") from e
-    return rows
-
-
-def flatten_config(d: dict, prefix: str = "") -> dict:
-    """A nested config dict as ``{"section.key": value}`` (an empty dict stays a value)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten_config(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def _resumable(key: str, change: tuple | None = None) -> bool:

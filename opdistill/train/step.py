@@ -1,43 +1,56 @@
 """One optimizer step: token-budget micro-batches, one GlobalBatch, loss, backward, clip, step, exact metrics.
 
-The step sees the whole batch of the step (rows of prompt + response in the padded layout, the teacher signal, the
+The step sees the whole batch of the step (rows of prompt + response in the padded layout, the teacher's scores, the
 sampler log-probs and the per-row advantages), cuts it into micro-batches whose padded size rows x longest-row stays
 within ``micro_batch_tokens``, builds ONE ``GlobalBatch`` from the masks of all of them, and sums the micro-batch
 gradients. Because every micro-batch loss is normalized by the global counts, the summed gradient is the full-batch
 gradient whatever the budget (tested), and the metrics are reduced from exact sums, never averaged per micro-batch.
+
+The step knows nothing of where the scores came from. ``StepData.scores`` may still be on its way (a Future: a remote
+teacher's request overlapped with the first micro-batch's forward; it is waited for where the loss first reads it),
+and ``StepData.groups`` names metric groups of rows (several routed teachers: ``teacher/<name>/``): every
+micro-batch is cut within one group, and each group's share of the metrics is reported under its prefix
+(:class:`StepPlan`). The loss object decides what it reads (``loss_fn.signal(scores)``): a
+:class:`~opdistill.DistillationLoss` or a :class:`~opdistill.PolicyGradientLoss` (RL from rewards alone).
 """
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from opdistill import (DistillationLoss, GlobalBatch, MetricSums, TeacherSampled, TeacherTopK, policy_gradient_loss,
+from opdistill import (DistillationConfig, DistillationLoss, GlobalBatch, MetricSums, TeacherScores,
                        shift_for_next_token)
 from opdistill.fused import causal_lm_hidden, no_cache_kwargs
-from opdistill.loss import select_backend
-from opdistill.train.teachers import PendingScores, TeacherMetrics, routed_split
 from opdistill.train.placement import data_to
 
-__all__ = ["StepData", "token_budget_split", "split_to_count", "group_advantages", "train_step", "rollout_mismatch",
-           "tis_weights"]
+__all__ = ["StepData", "StepPlan", "token_budget_split", "split_to_count", "group_split", "group_advantages",
+           "train_step", "rollout_mismatch", "tis_weights"]
 
 
 @dataclass
 class StepData:
+    """One step's rows and what scored them."""
+
     input_ids: torch.Tensor  # [B, S]
     attention_mask: torch.Tensor  # [B, S]
     response_mask: torch.Tensor  # [B, S]
-    teacher_topk: TeacherTopK | None = None  # [B, S, K]
-    teacher_sampled: torch.Tensor | None = None  # [B, S] teacher log-prob of token t+1
+    scores: TeacherScores | Future | None = None  # the teacher's; a Future while a request is on its way
     sampler_logprobs: torch.Tensor | None = None  # [B, S] old log-probs (next-token layout)
     advantages: torch.Tensor | None = None  # [B] per-sequence advantage (broadcast over its tokens)
-    # several teachers (train/teachers.py): each row's teacher index into teacher_names; pending: scores on their way
-    row_teacher: torch.Tensor | None = None  # [B] int64
-    teacher_names: tuple | None = None
-    pending: PendingScores | None = None  # its fill(data) waits and sets teacher_topk / teacher_sampled
+    groups: dict[str, torch.Tensor] | None = None  # metric groups: prefix ("teacher/<name>/") -> row indices
+
+    def teacher_scores(self) -> TeacherScores | None:
+        """The scores, waited for if still on their way, on the rows' device (``train.device: cuda`` moved the rows
+        before the scores arrived)."""
+        if isinstance(self.scores, Future):
+            self.scores = self.scores.result()
+        if self.scores is not None:
+            self.scores = self.scores.to(self.input_ids.device)
+        return self.scores
 
 
 def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -48,16 +61,18 @@ def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, ca
 
 @torch.no_grad()
 def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logprobs: torch.Tensor, *,
-                     temperature: float, tis_cap: float | None, vocab: dict | None = None):
+                     temperature: float, tis_cap: float | None, loss=None):
     """The trainer's own log-probs of the sampled tokens (at the rollout temperature, the distribution the sampler
-    reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``.
+    reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``. ``loss``: the
+    step's loss object, whose back-end computes the log-probs (default: plain logits on one device).
 
     Metrics: ``rollout/logprob_diff_mean`` and ``rollout/logprob_diff_max`` (``|log pi_train - log pi_sampler|``
     over response tokens); with ``tis_cap`` also ``rollout/tis_weight_mean`` and ``rollout/tis_clipfrac`` (the cap
     was active). With ``tis_cap`` the policy-gradient "old" log-probs become the trainer's own (detached), so the
     PPO ratio measures the update only and the sampler/trainer gap is corrected by the weight alone (verl's TIS);
     without it everything is left as it was."""
-    train_lp = select_backend(student, **(vocab or {})).masked_token_logprobs(student, tgt, m, temperature=temperature)
+    loss = loss if loss is not None else DistillationLoss(DistillationConfig())
+    train_lp = loss.token_logprobs(student, tgt, m, temperature=temperature)
     if train_lp.dtype not in (torch.float32, torch.float64):
         train_lp = train_lp.float()
     old = torch.where(m, sampler_logprobs.to(train_lp.dtype), 0.0)
@@ -137,114 +152,144 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[int], eps: float = 1
     return adv
 
 
-def _micro_loss(method, loss_fn: DistillationLoss | None, student, data: StepData, rows, L, targets, mask, batch,
-                pg_kwargs, mismatch: dict | None = None, vocab: dict | None = None):
-    """``student`` is the student's [b, L, V] logits, or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer);
-    ``select_backend`` picks the ops for either, here and inside ``DistillationLoss``."""
-    idx = torch.tensor(rows)
-    tgt = targets[idx, :L]
-    m = mask[idx, :L]
+def group_split(lengths: list[int], budget: int, groups: list[torch.Tensor], split=token_budget_split
+                ) -> list[list[int]]:
+    """Micro-batches (``split(lengths, budget)``) cut within each group of rows (``groups``: row indices, in order;
+    empty groups skipped): every micro-batch holds one group's rows, groups in order, rows ascending within one."""
+    out = []
+    for rows in groups:
+        rows = sorted(rows.tolist())
+        out += [[rows[i] for i in g] for g in split([lengths[r] for r in rows], budget)]
+    return out
+
+
+class StepPlan:
+    """How one step's rows are cut and counted, decided once before the first forward: the micro-batches (within a
+    metric group each, the same count on every data-parallel rank), the next-token targets and mask, the step's
+    ``GlobalBatch``, and the metric groups whose shares of the metrics are kept (module docstring).
+
+    Per metric group ``p`` (e.g. ``teacher/<name>/``): ``{p}token_frac``, the group's share of the step's response
+    tokens (the shares sum to 1; all 0 when the step has no response token), and every ``distillation/*`` metric
+    restricted to its rows under ``p``: ``{p}loss`` is its share of ``distillation/loss`` (the shares add up to it).
+    A group without tokens in a step still reports every name (the same names on every rank and step): 0."""
+
+    def __init__(self, data: StepData, micro_batch_tokens: int, *, group=None, loss_scale_factor=None):
+        self.targets, self.mask = shift_for_next_token(data.input_ids, data.response_mask)
+        self.lengths = data.attention_mask.sum(-1).tolist()
+        self.groups = data.groups
+        if self.groups is None:
+            micro = token_budget_split(self.lengths, micro_batch_tokens)
+        else:  # one metric group per micro-batch
+            micro = group_split(self.lengths, micro_batch_tokens, list(self.groups.values()))
+        if group is not None:  # FSDP2 gathers weights in every forward: every rank runs as many micro-batches
+            count = torch.tensor([len(micro)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+            micro = split_to_count(micro, int(count))
+        self.micro = micro
+        masks = [self.mask[torch.tensor(rows), : self.length(rows)] for rows in micro]
+        self.batch = GlobalBatch.from_masks(masks, group=group, loss_scale_factor=loss_scale_factor)
+        self._tokens = self.mask.sum(-1)  # [B] response tokens per row
+        self._group_of = {}
+        for j, rows in enumerate((self.groups or {}).values()):
+            for r in rows.tolist():
+                self._group_of[r] = j
+
+    def length(self, rows: list[int]) -> int:
+        """The padded length of a micro-batch: its longest row."""
+        return max(self.lengths[r] for r in rows)
+
+    def record(self, rows: list[int], micro: MetricSums, sums: MetricSums) -> None:
+        """A micro-batch's metrics into the step's ``sums``, and its group's share into the group's names."""
+        sums.merge(micro)
+        if self.groups is None:
+            return
+        prefixes = list(self.groups)
+        j = self._group_of[rows[0]]
+        n = self._tokens[torch.tensor(rows)].sum()
+        for i, p in enumerate(prefixes):
+            sums.add_ratio(f"{p}token_frac", n if i == j else torch.zeros(()), n)
+        sums.merge(micro.renamed("distillation/", prefixes[j]))
+
+    def finish(self, sums: MetricSums) -> None:
+        """Every group reports every name (0 where it had no tokens): the same names on every rank and step."""
+        if self.groups is None:
+            return
+        template = sums.renamed("distillation/", "", empty=True)
+        for p in self.groups:
+            sums.merge(template.renamed("", p, empty=True))
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What every micro-batch of a step shares (``train_step``'s keyword arguments)."""
+
+    loss_fn: object
+    bf16: bool
+    fused_lm_head: bool
+    group: object
+    mismatch: dict | None
+
+
+def _forward(model, data: StepData, idx: torch.Tensor, L: int, s: _Settings):
+    """The student on a micro-batch: its [b, L, V] logits (fp32 under bf16 autocast: the losses upcast, once here),
+    or a ``StudentHidden`` (fused lm_head: no [b, L, V] buffer)."""
+    autocast = torch.autocast(data.input_ids.device.type, dtype=torch.bfloat16) if s.bf16 else contextlib.nullcontext()
+    no_cache = no_cache_kwargs(model)  # a training forward: no KV cache (transformers builds one by default)
+    with autocast:
+        if s.fused_lm_head:
+            return causal_lm_hidden(model, input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L],
+                                    **no_cache)
+        student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L],
+                        **no_cache).logits
+    return student.float() if student.dtype not in (torch.float32, torch.float64) else student
+
+
+def _micro_step(model, data: StepData, plan: StepPlan, rows: list[int], s: _Settings):
+    """Forward, loss and backward of one micro-batch: (the detached loss, its metrics)."""
+    idx, L = torch.tensor(rows), plan.length(rows)
+    student = _forward(model, data, idx, L, s)
+    scores = data.teacher_scores()  # a remote teacher's request ran during this forward
+    teacher = s.loss_fn.signal(None if scores is None else scores.micro(idx, L))
+    tgt, m = plan.targets[idx, :L], plan.mask[idx, :L]
     old = data.sampler_logprobs[idx, :L] if data.sampler_logprobs is not None else None
     adv = data.advantages[idx][:, None].expand(-1, L) if data.advantages is not None else None  # [b, L]
     weights, mm_metrics = None, None
-    if mismatch is not None and old is not None:
-        old, weights, mm_metrics = rollout_mismatch(student, tgt, m, old, **mismatch, vocab=vocab)
-    if method == "rl":
-        lp = select_backend(student, **(vocab or {})).masked_token_logprobs(student, tgt, m, temperature=1.0)
-        loss, metrics = policy_gradient_loss(lp, old, adv, m, batch, token_weights=weights, **pg_kwargs)
-        return loss, metrics if mm_metrics is None else metrics.merge(mm_metrics)
-    loss, metrics = _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weights,
-                                  group=pg_kwargs.get("group"))
-    return loss, metrics if mm_metrics is None else metrics.merge(mm_metrics)
-
-
-def _distill_loss(loss_fn, student, data, idx, L, tgt, m, batch, old, adv, weights, *, group=None):
-    cfg = loss_fn.config
-    if cfg.loss_mode == "topk":
-        v = data.teacher_topk.validated
-        teacher = TeacherTopK(data.teacher_topk.ids[idx, :L], data.teacher_topk.logprobs[idx, :L], validated=v)
-    elif cfg.loss_mode == "sampled":
-        teacher = TeacherSampled(data.teacher_sampled[idx, :L])
-        student = loss_fn.backend(student).masked_token_logprobs(student, tgt, m, temperature=cfg.temperature)
-    else:
-        raise ValueError("loss.loss_mode 'full' needs teacher logits, which the trainer does not keep (use topk)")
-    return loss_fn(student, teacher, m, batch, sampled_ids=tgt, old_logprobs=old, task_advantages=adv,
-                   group=group, token_weights=weights)
-
-
-def _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs, *, bf16: bool,
-                fused_lm_head: bool, sums: MetricSums, mismatch: dict | None = None,
-                vocab: dict | None = None) -> torch.Tensor:
-    """Forward, loss and backward of one micro-batch; its metrics merged into ``sums``; returns the detached loss."""
-    L = max(lengths[r] for r in rows)
-    idx = torch.tensor(rows)
-    autocast = torch.autocast(data.input_ids.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    no_cache = no_cache_kwargs(model)  # a training forward: no KV cache (transformers builds one by default)
-    with autocast:
-        if fused_lm_head:
-            student = causal_lm_hidden(model, input_ids=data.input_ids[idx, :L],
-                                       attention_mask=data.attention_mask[idx, :L], **no_cache)
-        else:
-            student = model(input_ids=data.input_ids[idx, :L], attention_mask=data.attention_mask[idx, :L],
-                            **no_cache).logits
-    if not fused_lm_head and student.dtype not in (torch.float32, torch.float64):
-        student = student.float()  # bf16 autocast: the losses upcast, do it once here
-    if data.pending is not None:  # a remote teacher's request ran during this forward (train/teachers.py)
-        data.pending.fill(data)
-    loss, metrics = _micro_loss(method, loss_fn, student, data, rows, L, targets, mask, batch, pg_kwargs, mismatch,
-                                vocab)
+    if s.mismatch is not None and old is not None:
+        old, weights, mm_metrics = rollout_mismatch(student, tgt, m, old, **s.mismatch, loss=s.loss_fn)
+    loss, metrics = s.loss_fn(student, teacher, m, plan.batch, sampled_ids=tgt, old_logprobs=old,
+                              task_advantages=adv, group=s.group, token_weights=weights)
     loss.backward()
-    sums.merge(metrics)
-    return loss.detach().float()
+    return loss.detach().float(), metrics if mm_metrics is None else metrics.merge(mm_metrics)
 
 
-def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: DistillationLoss | None,
-               micro_batch_tokens: int, grad_clip: float | None, bf16: bool = False,
-               loss_scale_factor: float | None = None, pg_kwargs: dict | None = None,
-               fused_lm_head: bool = False, group=None, mismatch: dict | None = None,
-               vocab: dict | None = None) -> dict:
+def train_step(model, optimizer, data: StepData, *, loss_fn, micro_batch_tokens: int, grad_clip: float | None,
+               bf16: bool = False, fused_lm_head: bool = False, group=None, mismatch: dict | None = None) -> dict:
     """Run one optimizer step on ``data``; return the exact step metrics (dict of floats).
 
+    ``loss_fn``: a :class:`~opdistill.DistillationLoss` or :class:`~opdistill.PolicyGradientLoss` (it knows its
+    vocabulary group: ``distributed.tp_size > 1`` runs every log-prob and loss vocab-parallel).
     ``fused_lm_head``: run the student's backbone only and hand its hidden states and lm_head to the fused losses
     (``opdistill.fused``): same loss, gradients and metrics, no [tokens, vocab] logits buffer.
     ``group``: the data-parallel group (``model`` wrapped by FSDP2 or DDP; ``data`` is this rank's rows): one
     ``GlobalBatch`` and the metrics are reduced over it, every rank runs the same number of micro-batches.
     ``mismatch``: ``dict(temperature=, tis_cap=)`` -- measure the sampler/trainer log-prob mismatch on the step's
     own forward (``rollout_mismatch``) and, with ``tis_cap``, weight the losses by truncated importance sampling
-    (needs ``data.sampler_logprobs`` from the student's own rollouts; None: neither).
-    ``vocab``: ``dict(vocab_group=, vocab_size=)`` when ``model``'s logits are this rank's vocabulary shard
-    (``distributed.tp_size > 1``, train/tensor_parallel.py): every log-prob and loss then runs vocab-parallel."""
+    (needs ``data.sampler_logprobs`` from the student's own rollouts; None: neither)."""
     model.train()
     data = data_to(data, next(model.parameters()).device)  # train.device cuda: the rows onto the student's device
-    targets, mask = shift_for_next_token(data.input_ids, data.response_mask)
-    lengths = data.attention_mask.sum(-1).tolist()
-    micro = token_budget_split(lengths, micro_batch_tokens) if data.row_teacher is None else \
-        routed_split(lengths, micro_batch_tokens, data.row_teacher, token_budget_split)  # one teacher per micro-batch
-    if group is not None:
-        count = torch.tensor([len(micro)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        micro = split_to_count(micro, int(count))
-        pg_kwargs = {**(pg_kwargs or {}), "group": group}
-    masks = [mask[torch.tensor(rows), : max(lengths[r] for r in rows)] for rows in micro]
-    batch = GlobalBatch.from_masks(masks, group=group, loss_scale_factor=loss_scale_factor)
+    plan = StepPlan(data, micro_batch_tokens, group=group, loss_scale_factor=loss_fn.loss_scale_factor)
+    settings = _Settings(loss_fn, bf16, fused_lm_head, group, mismatch)
     optimizer.zero_grad(set_to_none=True)
     sums = MetricSums()
-    per_teacher = None if data.row_teacher is None else TeacherMetrics(data.teacher_names, data.row_teacher, mask)
     loss_sum = torch.zeros(())
-    for i, rows in enumerate(micro):
+    for i, rows in enumerate(plan.micro):
         # DDP: gradients are all-reduced once, in the last micro-batch's backward (forward and backward under no_sync)
-        last = i == len(micro) - 1
-        micro_sums = sums if per_teacher is None else MetricSums()
+        last = i == len(plan.micro) - 1
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
-            loss = _micro_step(model, method, loss_fn, data, rows, lengths, targets, mask, batch, pg_kwargs or {},
-                               bf16=bf16, fused_lm_head=fused_lm_head, sums=micro_sums, mismatch=mismatch,
-                               vocab=vocab)
-        if per_teacher is not None:
-            sums.merge(micro_sums)
-            per_teacher.add(rows, micro_sums, sums)
+            loss, micro = _micro_step(model, data, plan, rows, settings)
+        plan.record(rows, micro, sums)
         loss_sum = loss_sum + loss
-    if per_teacher is not None:
-        per_teacher.finish(sums)
+    plan.finish(sums)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = _grad_norm(params, grad_clip)
     if group is not None:  # every rank applies the step or none does
@@ -258,6 +303,6 @@ def train_step(model, optimizer, data: StepData, *, method: str, loss_fn: Distil
     out = sums.reduce(group=group)
     out["train/nonfinite"] = float(not applied)
     out["train/grad_norm"] = float(grad_norm)
-    out["train/micro_batches"] = float(len(micro))
-    out["train/response_tokens"] = float(batch.num_tokens)
+    out["train/micro_batches"] = float(len(plan.micro))
+    out["train/response_tokens"] = float(plan.batch.num_tokens)
     return out

@@ -1,0 +1,351 @@
+"""A run assembled before it runs: every refusal first, then the models, then everything the loop holds.
+
+:func:`assemble` reads as its list of named setup steps:
+
+    refusals        config + process layout + model folders' metadata (``preflight.check_before_loading``):
+                    nothing loaded yet
+    run directory   lock, one run per folder, the resume rules (rank 0; the others wait for its verdict)
+    models          the student (LoRA, the LoRA base as teacher), the in-process teachers, finite weights, the fused
+                    head check; placed on the device, wrapped for data parallelism (FSDP2 / DDP)
+    training        optimizer, schedule, the loss object, the teacher cache (its provenance against the teacher),
+                    the checkpoint to resume
+    engines         the student's rollout engine (vLLM), then the teachers (``opdistill.teachers.build_teacher``)
+    logging         metrics.jsonl, TensorBoard, wandb (rank 0)
+
+Every resource the run holds (the run directory's lock, engines, teacher connections, the logger) is entered into
+one ``ExitStack``, closed in reverse order however the run ends.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opdistill import DistillationLoss, PolicyGradientLoss
+from opdistill.data import DatasetTask, PromptSource, Task, make_task
+from opdistill.engines.vllm import EngineSet, open_engines
+from opdistill.errors import IncompatibleModelsError
+from opdistill.fused import check_lm_head
+from opdistill.models import (check_compatible, load_model, load_tokenizer, model_config, resolve_model_path,
+                              truncate_layers)
+from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
+from opdistill.teachers.cache import check_provenance
+from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.train.collect import Collector
+from opdistill.train.config import TrainerConfig, config_to_dict, load_config
+from opdistill.train.distributed import DistContext, wrap_student
+from opdistill.train.logger import NullLogger, RunLogger
+from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
+from opdistill.train.optim import build_optimizer
+from opdistill.train.placement import place_models, run_device
+from opdistill.train.preflight import (ModelInfo, check_before_loading, check_finite_model, check_finite_weights,
+                                       check_loaded, check_model_folders, resolve_folder)
+from opdistill.train.rundir import RunDir, RunWarning, check_checkpoint_config, open_run_dir
+from opdistill.train.wandb_log import open_wandb
+
+__all__ = ["Run", "RunState", "assemble", "build_task", "load_models", "lr_lambda", "open_teacher_cache"]
+
+
+def build_task(cfg: TrainerConfig) -> Task:
+    dc = cfg.data
+    if dc.task == "dataset":
+        return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
+                           eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
+                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None)
+    return make_task(cfg.data.task, **cfg.data.task_args)
+
+
+def load_models(cfg: TrainerConfig, tok=None):
+    """(tokenizer, student, teacher or None) as the config asks (``tok``: the student's tokenizer, when already
+    read); refuses incompatible pairs and NaN/inf weights before any training. The teacher is ``model.teacher``
+    (None with ``teacher.url`` or ``teachers``), or the LoRA student's base for ``model.teacher: self``."""
+    mc = cfg.model
+    student_path = resolve_model_path(mc.student)
+    teacher = None
+    if mc.teacher and mc.teacher != SELF and cfg.teacher.url is None:  # teacher.url: the server scores
+        teacher_path = resolve_model_path(mc.teacher)
+        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                             attn_implementation=mc.attn_implementation)
+        teacher.requires_grad_(False)
+        t_tok = load_tokenizer(teacher_path, trust_remote_code=mc.trust_remote_code)
+    tok = tok if tok is not None else load_tokenizer(student_path, trust_remote_code=mc.trust_remote_code)
+    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                         attn_implementation=mc.attn_implementation)
+    if mc.student_from_teacher_layers:
+        student = truncate_layers(student, mc.student_from_teacher_layers)
+    if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
+        student = apply_lora(student, mc.lora)
+    if mc.teacher == SELF:
+        teacher = self_teacher(student)
+    elif teacher is not None:
+        check_compatible(tok, t_tok, student, teacher)
+    check_finite_weights(cfg, student, teacher)  # a corrupt folder is refused before any eval, score or step
+    return tok, student, teacher
+
+
+def load_named_teachers(cfg: TrainerConfig, tok, student, given: dict | None = None) -> dict:
+    """The ``teachers`` entries with a path, loaded (``given``: {name: model} already loaded) and checked like
+    model.teacher (tokenizer and head compatibility with the student, finite weights), errors naming their key:
+    ``{"teachers.N.path": model}``; two entries of one folder share one copy of the weights."""
+    mc, out, loaded = cfg.model, {}, {}
+    for i, spec in enumerate(cfg.teachers or []):
+        if spec.path is None:
+            continue
+        key = f"teachers.{i}.path"
+        model = (given or {}).get(spec.name)
+        if model is None:
+            if spec.path not in loaded:
+                path = resolve_folder(spec.path, key)
+                model = load_model(path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                                   attn_implementation=mc.attn_implementation).requires_grad_(False)
+                try:
+                    check_compatible(tok, load_tokenizer(path, trust_remote_code=mc.trust_remote_code), student,
+                                     model)
+                except IncompatibleModelsError as e:
+                    raise IncompatibleModelsError(f"{key}: " + str(e).removeprefix("model.teacher: ")) from None
+                check_finite_model(key, model, spec.path)
+                loaded[spec.path] = model
+            model = loaded[spec.path]
+        out[key] = model
+    return out
+
+
+def _infos(cfg: TrainerConfig, models) -> tuple:
+    """(student tokenizer, student info, in-process teachers' infos) without loading a weight: from the folders'
+    config.json and tokenizers, or from the models handed in (``models``: (tok, student, teacher))."""
+    mc = cfg.model
+    if models is not None:
+        tok, student, teacher = models
+        teachers = [] if teacher is None or isinstance(teacher, dict) or mc.teacher == SELF else \
+            [ModelInfo("model.teacher", None, teacher, tok)]
+        return tok, ModelInfo("model.student", None, student, tok), teachers
+    check_model_folders(cfg)
+    trc = mc.trust_remote_code
+    path = resolve_model_path(mc.student)
+    tok = load_tokenizer(path, trust_remote_code=trc, key="model.student")
+    student = ModelInfo("model.student", path, model_config(path, trust_remote_code=trc, key="model.student"), tok)
+    teachers = []
+    if mc.teacher and mc.teacher != SELF and cfg.teacher.url is None:
+        path = resolve_model_path(mc.teacher)
+        teachers.append(ModelInfo("model.teacher", path, model_config(path, trust_remote_code=trc, key="model.teacher"),
+                                  load_tokenizer(path, trust_remote_code=trc, key="model.teacher")))
+    for i, spec in enumerate(cfg.teachers or []):
+        if spec.path is not None:
+            key = f"teachers.{i}.path"
+            path = resolve_folder(spec.path, key)
+            teachers.append(ModelInfo(key, path, model_config(path, trust_remote_code=trc, key=key),
+                                      load_tokenizer(path, trust_remote_code=trc, key=key)))
+    return tok, student, teachers
+
+
+def lr_lambda(optim_cfg, total_steps: int):
+    warm = optim_cfg.warmup_steps
+
+    def fn(step: int) -> float:  # step = number of optimizer steps already taken
+        if step < warm:
+            return (step + 1) / warm
+        if optim_cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return optim_cfg.min_lr_ratio + (1 - optim_cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def open_teacher_cache(cfg: TrainerConfig, tok=None, teacher=None) -> dict | None:
+    """The ``data.teacher_cache`` rows, verified against the run's tokenizer and teacher (when given: provenance,
+    checksum, every value; opdistill/teachers/cache.py) and against the loss (None when unset)."""
+    if cfg.data.teacher_cache is None:
+        return None
+    cache = load_cache(cfg.data.teacher_cache, teacher=teacher, tokenizer=tok)
+    scores, lc = cache["scores"], cfg.loss
+    if lc.loss_mode == "topk" and scores.topk is None:
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no top-k scores "
+                                f"(loss.loss_mode=topk)")
+    if lc.loss_mode == "topk" and lc.topk is not None and scores.topk.ids.shape[-1] != lc.topk:
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds top-{scores.topk.ids.shape[-1]} "
+                                f"scores but loss.topk={lc.topk}")
+    if lc.loss_mode == "sampled" and scores.sampled_logprobs is None:
+        raise TeacherCacheError(f"data.teacher_cache={cfg.data.teacher_cache!r} holds no sampled-token log-probs")
+    return cache
+
+
+@dataclass
+class RunState:
+    """What changes from step to step besides the weights, optimizer, scheduler and RNG states; saved in every
+    checkpoint (``to_saved``) so a resumed run continues with the same counters."""
+
+    step: int = 0  # optimizer steps taken = the data position (prompts are a function of (seed, step))
+    train_time: float = 0.0  # seconds in the rollout + teacher + update phases (train.max_time_s)
+    eval_history: list = None
+    nonfinite_steps: int = 0  # steps not applied because the loss or gradient norm was NaN/inf
+    nonfinite_in_row: int = 0  # ... consecutively, up to this step (train.max_nonfinite_steps stops the run)
+    last_eval: int = 0
+    last_save: int = 0
+
+    def __post_init__(self):
+        self.eval_history = [] if self.eval_history is None else self.eval_history
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "RunState":
+        step = saved["step"]
+        return cls(step=step, train_time=saved["train_time"], eval_history=saved.get("eval_history", []),
+                   nonfinite_steps=saved.get("nonfinite_steps", 0), nonfinite_in_row=saved.get("nonfinite_in_row", 0),
+                   last_eval=step, last_save=step)
+
+    def to_saved(self) -> dict:
+        return {"train_time": self.train_time, "eval_history": self.eval_history, "data_position": self.step,
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_row": self.nonfinite_in_row}
+
+    def record_eval(self, metrics: dict) -> dict:
+        self.eval_history.append({"step": self.step, "train_time_s": self.train_time, **metrics})
+        self.last_eval = self.step
+        return metrics
+
+    def count_update(self, applied: bool) -> None:
+        self.nonfinite_steps += not applied
+        self.nonfinite_in_row = 0 if applied else self.nonfinite_in_row + 1
+
+
+@dataclass
+class Run:
+    """Everything the loop holds, assembled by :func:`assemble`."""
+
+    cfg: TrainerConfig
+    ctx: DistContext
+    rd: RunDir
+    tok: object
+    student: torch.nn.Module  # wrapped for data parallelism (FSDP2 / DDP) under torchrun
+    task: Task
+    held_out: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loss_fn: object  # DistillationLoss or PolicyGradientLoss
+    state: RunState
+    logger: object
+    engines: EngineSet
+    teachers: Teachers
+    collect: Collector
+    save: object  # save(step=, state=): an atomic, verified checkpoint
+    config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
+
+
+def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
+    """Lock the run directory and apply its rules before any model loads: (RunDir, checkpoint to resume or None)."""
+    rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
+    try:
+        if not resume:
+            return rd, None
+        ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
+        changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
+                                         config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
+        check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
+        if "train.steps" in changes and cfg.optim.schedule == "cosine":
+            warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
+                          f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
+                          f"step on differs from the original run's", RunWarning, stacklevel=3)
+        set_aside_newer(rd.path, ckpt)
+        return rd, ckpt
+    except BaseException:
+        rd.close()
+        raise
+
+
+def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
+    """Every refusal the config, the process layout and the model folders' metadata decide: (tokenizer, task,
+    source, held-out problems, the teacher cache or None). Nothing is loaded yet: the cache file is checked here
+    (format, checksum, values, K, tokenizer), its teacher once the teacher is loaded."""
+    tok, student_info, teacher_infos = _infos(cfg, models)
+    task = build_task(cfg)
+    source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
+    held_out = source.held_out(cfg.eval.num_prompts)
+    check_before_loading(cfg, tok, student_info, teacher_infos, task, world=ctx.world, dp=ctx.dp[1],
+                         held_out=len(held_out))
+    return tok, task, source, held_out, open_teacher_cache(cfg, tok)
+
+
+def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool):
+    """(RunDir, checkpoint to resume or None): rank 0 alone locks the run directory and applies its rules; the
+    others wait for its verdict and resume from its choice."""
+    opened = ctx.from_main(_open_run, cfg, resume, overwrite)
+    rd, ckpt = opened if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
+    shared = ctx.broadcast_text(None if ckpt is None else str(ckpt))
+    return rd, None if shared is None else Path(shared)
+
+
+def _load(cfg: TrainerConfig, ctx: DistContext, tok, models):
+    """(student, {config key: in-process teacher model}), loaded, checked, placed and wrapped."""
+    torch.manual_seed(cfg.train.seed)
+    _, student, teacher = models if models is not None else load_models(cfg, tok)
+    given = teacher if isinstance(teacher, dict) else None
+    teacher = None if isinstance(teacher, dict) else teacher
+    if models is not None:  # handed in: what load_models checks, before any evaluation
+        check_loaded(cfg, student, teacher)
+    named = load_named_teachers(cfg, tok, student, given)
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(student)
+    if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
+        check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
+    student, teacher = place_models(run_device(cfg), student, teacher,  # train.device: cpu | cuda:LOCAL_RANK
+                                    teacher_sharded=ctx.enabled and cfg.model.teacher_sharded)
+    student = wrap_student(ctx, student)  # FSDP2 or DDP under torchrun; unchanged in one process
+    return student, ({} if teacher is None else {"model.teacher": teacher}) | named
+
+
+def _loss(cfg: TrainerConfig, ctx: DistContext):
+    """The step's loss object: the distillation loss, or the policy-gradient loss of RL from rewards alone."""
+    if cfg.train.method == "rl":
+        return PolicyGradientLoss.from_config(cfg.loss, **ctx.vocab_kwargs)
+    return DistillationLoss(cfg.loss, **ctx.vocab_kwargs)
+
+
+def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,
+             quiet: bool = False) -> Run:
+    """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring)."""
+    tok, task, source, held_out, cache = _refuse_early(cfg, ctx, models)
+    rd, ckpt = _open_run_dir(cfg, ctx, resume, overwrite)
+    stack.enter_context(rd)
+    student, teacher_models = _load(cfg, ctx, tok, models)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.optim)  # AdamW, fused where available (opdistill/train/optim.py)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
+    loss_fn = _loss(cfg, ctx)
+    if cache is not None and "model.teacher" in teacher_models:  # the cache's teacher against the loaded one
+        check_provenance(cfg.data.teacher_cache, cache, teacher=teacher_models["model.teacher"])
+    state = RunState()
+    if ckpt is not None:
+        state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.world_group))
+    elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up
+        rd.write_config(config_to_dict(cfg))
+    logger = stack.enter_context(_closing(RunLogger(
+        rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress and not quiet,
+        total_steps=cfg.train.steps, wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step))
+        if ctx.is_main else NullLogger()))
+    engines = stack.enter_context(_closing(open_engines(cfg, tok, student, resolve_model_path)))  # after the ckpt
+    teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
+        tokenizer=tok, student=student, models=teacher_models, mesh=ctx.mesh if ctx.enabled else None,
+        group=ctx.group, cache=cache, resolve=resolve_model_path))))
+    collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
+                        writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
+    save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
+                             keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
+    return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
+               teachers, collect, save, config_to_dict(cfg))
+
+
+class _closing:
+    """``with _closing(x) as x``: ``x.close()`` on exit."""
+
+    def __init__(self, thing):
+        self.thing = thing
+
+    def __enter__(self):
+        return self.thing
+
+    def __exit__(self, *exc):
+        self.thing.close()

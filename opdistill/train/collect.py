@@ -1,0 +1,113 @@
+"""One step's data: the step's prompts, the rows that answer them, the teacher's scores, rewards and advantages.
+
+    prompts(seed, step, this rank's share) -> rows (the student samples; the teacher for off-policy KD; or the next
+      rows of a teacher cache) -> teacher.submit(rows, request) -> rewards -> advantages -> StepData + metrics
+
+Sampling is reseeded from (seed, step) at every step and keyed by (seed, step, global prompt index, sample index)
+(``opdistill.engines.sampler``), so a resumed run, and a run at another world size, draws the same samples. Under
+data parallelism each rank takes a contiguous share of the step's prompts (all ``rollout.n`` samples of a prompt: a
+GRPO group stays on one rank); the metrics are reduced over the ranks. The teacher's request may still be on its way
+when the step starts (a remote teacher with ``overlap``: ``StepData.scores`` is then a Future).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from opdistill.data import PromptSource, Task, render_prompt
+from opdistill.engines.vllm import EngineSet
+from opdistill.teachers import Rows, ScoreRequest, Teacher
+from opdistill.train.distributed import DistContext
+from opdistill.train.step import StepData, group_advantages
+
+__all__ = ["Collector", "needs_sampler_logprobs", "score_request"]
+
+
+def needs_sampler_logprobs(cfg, engines: EngineSet | None = None) -> bool:
+    """Whether a step reads the sampler's log-probs (the "old" log-probs): the policy-gradient losses (``train.method
+    rl``, ``loss.use_policy_gradient``, ``loss.use_task_rewards``) and the rollout mismatch metrics / TIS
+    (``engines.mismatch``). Otherwise the rollouts are drawn without them (the same samples: log-probs draw no
+    randomness) and ``StepData.sampler_logprobs`` is None."""
+    lc = cfg.loss
+    return (cfg.train.method == "rl" or lc.use_policy_gradient or lc.use_task_rewards
+            or (engines is not None and engines.mismatch is not None))
+
+
+def score_request(loss_cfg, what: str = "") -> ScoreRequest:
+    """What the loss ``loss_cfg`` reads of the teacher: its top-K (loss_mode topk) or the sampled tokens' log-probs."""
+    return ScoreRequest(k=loss_cfg.topk if loss_cfg.loss_mode == "topk" else None,
+                        sampled=loss_cfg.loss_mode == "sampled", what=what)
+
+
+class Collector:
+    """``collector(step, student) -> (StepData, metrics)`` for a run: ``student`` is the module to decode with
+    (``DistContext.rollout_model``), ``writer`` the model that writes off-policy samples (the teacher), ``teacher``
+    the training teacher (None for RL), ``engines`` the student's rollout engine, ``cache`` the rows of a teacher
+    cache (off-policy KD from ``data.teacher_cache``: no decoding)."""
+
+    def __init__(self, cfg, *, tok, task: Task, source: PromptSource, teacher: Teacher | None, writer=None,
+                 engines: EngineSet | None = None, cache: dict | None = None, ctx: DistContext = DistContext()):
+        self.cfg, self.tok, self.task, self.source, self.ctx = cfg, tok, task, source, ctx
+        self.teacher, self.writer, self.cache = teacher, writer, cache
+        self.engines = engines or EngineSet()
+
+    def __call__(self, step: int, student) -> tuple[StepData, dict]:
+        if self.cache is not None:
+            return self._from_cache(step)
+        cfg, ctx, rc = self.cfg, self.ctx, self.cfg.rollout
+        offset, count = ctx.share(cfg.data.prompts_per_step)
+        problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
+        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+        torch.manual_seed(cfg.train.seed * 1_000_003 + step)
+        t0 = time.perf_counter()
+        old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
+        writer = self.writer if cfg.train.method == "off_policy" else student
+        ro = self.engines.generate_rollouts(writer, self.tok, prompts, n=rc.n, temperature=rc.temperature,
+                                            top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
+                                            min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
+                                            seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old)
+        t1 = time.perf_counter()
+        data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
+                        sampler_logprobs=ro.sampler_logprobs if old else None)
+        if self.teacher is not None:
+            rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
+                        tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index))
+            self._score(data, rows, step)
+        t2 = time.perf_counter()
+        rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
+        if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
+            data.advantages = group_advantages(rewards, ro.prompt_index)
+        reward_sum, n_rows, tokens = ctx.sum([float(rewards.double().sum()), float(ro.num_rows),
+                                              float(ro.response_mask.sum())])
+        return data, {
+            "train/reward": reward_sum / n_rows if n_rows else float("nan"),
+            "train/response_len": tokens / max(n_rows, 1),
+            "time/rollout_s": t1 - t0,
+            "time/teacher_s": t2 - t1,
+            "train/generated_tokens": tokens,
+        }
+
+    def _score(self, data: StepData, rows: Rows, step: int) -> None:
+        """The teacher's scores of ``rows`` into ``data`` (a Future while a background request is on its way), and
+        the rows of each member of a composite teacher as metric groups ``teacher/<name>/``."""
+        groups = self.teacher.groups(rows)
+        fut = self.teacher.submit(rows, score_request(self.cfg.loss, f"step {step}: {rows.describe()}"))
+        data.scores = fut if self.teacher.background else fut.result()
+        if groups is not None:
+            data.groups = {f"teacher/{name}/": idx for name, idx in groups.items()}
+
+    def _from_cache(self, step: int) -> tuple[StepData, dict]:
+        """Off-policy KD from a teacher cache: the step's rows are the next prompts_per_step x n rows, wrapping around,
+        so the data position is a function of the step (exact resume) and no teacher forward runs in training. Each
+        rank takes its contiguous share of them."""
+        cfg, cache = self.cfg, self.cache
+        total = cache["input_ids"].shape[0]
+        n_rows = cfg.data.prompts_per_step * cfg.rollout.n
+        offset, count = self.ctx.share(n_rows)
+        idx = (torch.arange(offset, offset + count) + (step - 1) * n_rows) % total
+        data = StepData(cache["input_ids"][idx], cache["attention_mask"][idx], cache["response_mask"][idx])
+        self._score(data, Rows(data.input_ids, data.attention_mask, data.response_mask), step)
+        (tokens,) = self.ctx.sum([float(data.response_mask.sum())])
+        return data, {"train/response_len": tokens / n_rows, "time/rollout_s": 0.0, "time/teacher_s": 0.0,
+                      "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * n_rows, total))}
