@@ -41,7 +41,7 @@ def main() -> None:
 
     from opdistill.data import CarryAdditionTask, render_prompt
     from opdistill.models import load_model, load_tokenizer
-    from opdistill.rollout import generate_rollouts
+    from opdistill.engines.rollout import generate_rollouts
 
     if args.threads:
         torch.set_num_threads(args.threads)

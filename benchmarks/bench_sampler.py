@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             runs[mode].append(json.loads(out.strip().splitlines()[-1]))
             print(f"[{rep}] {mode}: {runs[mode][-1]}", flush=True)
     base = runs["model_forward"]
-    print(f"\n| mode | wall ms/call | CPU ms/call | CPU x model_forward |\n|---|---|---|---|")
+    print("\n| mode | wall ms/call | CPU ms/call | CPU x model_forward |\n|---|---|---|---|")
     for mode in MODES:
         r = runs[mode]
         ratio = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(r, base)]

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, TeacherTopK
-from opdistill.engines.remote import MEDIA_BINARY, MEDIA_JSON, RemoteTeacher, ScoreResult, decode_result, encode_result
+from opdistill.teachers import RemoteTeacher, Rows, ScoreRequest
+from opdistill.teachers.wire import MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_result, encode_result
 from opdistill.models import load_model
-from opdistill.train.loop import resolve_model_path
+from opdistill.models import resolve_model_path
 
 
 def vllm_shaped(r: ScoreResult, next_ids: np.ndarray) -> bytes:
@@ -124,7 +125,7 @@ def requests_per_s(seconds: float) -> dict:
             def work(j):
                 with RemoteTeacher(url, payload="fp16") as c:
                     while time.time() < stop:
-                        c.score(ids, am, rm, k=8)
+                        c.score(Rows(ids, am, rm), ScoreRequest(k=8))
                         counts[j] += 1
 
             ts = [threading.Thread(target=work, args=(j,)) for j in range(threads)]

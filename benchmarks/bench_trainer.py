@@ -214,7 +214,9 @@ def child_opdistill(args) -> dict:
     _install_common_hooks(clock, torch)
     tok, student, teacher = loop.load_models(cfg)
 
-    real_collect, real_step = loop._collect, loop.train_step
+    from opdistill.train.collect import Collector
+
+    real_collect, real_step = Collector.__call__, loop.train_step
 
     def collect(*a, **k):
         data, metrics = real_collect(*a, **k)
@@ -232,15 +234,17 @@ def child_opdistill(args) -> dict:
             remove()
             clock.active = False
 
-    loop._collect, loop.train_step = collect, train_step
+    Collector.__call__, loop.train_step = collect, train_step
     DistillationLoss.__call__ = clock.wrap("loss", DistillationLoss.__call__)
-    real_advance = loop.RunLogger.advance
+    from opdistill.train.logger import RunLogger
+
+    real_advance = RunLogger.advance
 
     def advance(self):
         real_advance(self)
         clock.end_step(time.perf_counter(), clock.current.pop("_tokens", 0.0))
 
-    loop.RunLogger.advance = advance
+    RunLogger.advance = advance
     import opdistill.engines.sampler as sampler_mod  # record whether every rollout took the lean decode step
 
     real_lean, lean_used = sampler_mod._lean_decoder, []

@@ -1,6 +1,6 @@
 """Plumbing check on a real model: the gradient the trainer applies, per loss family, against a float64 reference.
 
-For one batch of real on-policy rollouts (the trainer's own ``_collect``: student samples, teacher scores), each loss
+For one batch of real on-policy rollouts (the trainer's own ``Collector``: student samples, teacher scores), each loss
 family runs ONE ``train_step`` (the trainer's micro-batching by token budget, ``GlobalBatch`` aggregation, backward,
 optionally the fused lm_head path) with an optimizer that only records ``param.grad`` when ``step()`` is called, i.e.
 the gradient the optimizer would apply (``grad_clip`` off, so it is the raw gradient). The reference is written here
@@ -162,20 +162,21 @@ def reference_per_token(cfg: dict, s_log, t_log, y, old, k: int):
 
 
 def collect_batch(cfg, tok, student, teacher, k: int):
-    """One step of real rollouts through the trainer's own ``_collect`` with both teacher signals and the sampler's
-    log-probs attached (the policy-gradient family reads them; ``_collect`` draws them only when ``cfg``'s loss
+    """One step of real rollouts through the trainer's own ``Collector`` with both teacher signals and the sampler's
+    log-probs attached (the policy-gradient family reads them; the collector draws them only when ``cfg``'s loss
     needs them, and the samples are the same either way)."""
     from opdistill.data import PromptSource
-    from opdistill.train.loop import _collect, build_task
-    from opdistill.train.remote_teacher import score_rows
+    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
+    from opdistill.train.collect import Collector
+    from opdistill.train.loop import build_task
 
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     with_old = cfg.model_copy(update={"loss": dataclasses.replace(cfg.loss, use_policy_gradient=True)})
-    data, _ = _collect(with_old, 1, tok, student, teacher, task, source)
+    data, _ = Collector(with_old, tok=tok, task=task, source=source, teacher=None)(1, student)
     assert data.sampler_logprobs is not None
-    scores = score_rows(teacher, data.input_ids, data.attention_mask, data.response_mask, k=k, sampled=True)
-    data.teacher_topk, data.teacher_sampled = scores.topk, scores.sampled_logprobs
+    data.scores = LocalTeacher(teacher).score(Rows(data.input_ids, data.attention_mask, data.response_mask),
+                                              ScoreRequest(k=k, sampled=True))
     return data
 
 
@@ -212,7 +213,7 @@ def run_check(student, teacher, data, *, k: int, micro_batch_tokens: int, famili
         f"{data.input_ids.shape[0]} rows; reference forward {time.perf_counter() - t0:.0f} s")
     # how often the trainer's (float32 teacher) top-K set still differs from the float64 one
     mask = data.response_mask.bool()[:, 1:]
-    tr_ids = data.teacher_topk.ids[:, :-1][mask].sort(-1).values
+    tr_ids = data.scores.topk.ids[:, :-1][mask].sort(-1).values
     ref_ids = t_log.topk(k, dim=-1).indices.sort(-1).values
     set_diff = int((tr_ids != ref_ids).any(-1).sum())
     log(f"top-{k} set of the trainer's teacher differs from the float64 one at {set_diff} of them")
@@ -227,9 +228,8 @@ def run_check(student, teacher, data, *, k: int, micro_batch_tokens: int, famili
             cfg = DistillationConfig(**lc, topk=k if lc["loss_mode"] == "topk" else None, temperature=temperature)
             spy = GradSpy(p for p in student.parameters() if p.requires_grad)
             t1 = time.perf_counter()
-            out = train_step(student, spy, data, method="on_policy", loss_fn=DistillationLoss(cfg),
-                             micro_batch_tokens=micro_batch_tokens, grad_clip=None, fused_lm_head=fl,
-                             pg_kwargs=dict(loss_agg_mode="token-mean"))
+            out = train_step(student, spy, data, loss_fn=DistillationLoss(cfg),
+                             micro_batch_tokens=micro_batch_tokens, grad_clip=None, fused_lm_head=fl)
             by_param = {id(p): g for p, g in zip(spy.params, spy.grads)}
             errs, coss = {}, {}
             for (pname, p), g_ref in zip(checked, ref):

@@ -27,9 +27,9 @@ def main() -> None:
     args = p.parse_args()
 
     from opdistill.data import CarryAdditionTask, render_prompt
-    from opdistill.engines.remote import RemoteTeacher
+    from opdistill.teachers import RemoteTeacher, Rows, ScoreRequest
     from opdistill.models import load_model, load_tokenizer
-    from opdistill.rollout import generate_rollouts
+    from opdistill.engines.rollout import generate_rollouts
     from tests.test_teacher_service_vllm import DEMO, _keep, _rows, _start, _stop
 
     tmp = Path(tempfile.mkdtemp(prefix="compare_engines_"))
@@ -53,8 +53,8 @@ def main() -> None:
             keep = _keep(rm)
             with RemoteTeacher(url_vllm) as v, RemoteTeacher(url_hf) as h:
                 v.fetch_info()
-                got = v.score(ids, am, rm, k=args.k, sampled=True)
-                ref = h.score(ids, am, rm, k=args.k, sampled=True)
+                got = v.score(Rows(ids, am, rm), ScoreRequest(k=args.k, sampled=True))
+                ref = h.score(Rows(ids, am, rm), ScoreRequest(k=args.k, sampled=True))
             dt = (got.topk.logprobs[keep] - ref.topk.logprobs[keep]).abs()
             ds = (got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs()
             same = (got.topk.ids[keep] == ref.topk.ids[keep]).float().mean().item()

@@ -15,7 +15,7 @@ response position computes, from the student's and the teacher's FULL next-token
     k3              (r - 1) - log r, r = nu(y) / pi(y)  (k1 and k3 are eval/teacher_kl and eval/teacher_kl_k3)
     sampled_acc     the verifier's accuracy of the samples (per sample)
 
-each a per-token mean over response tokens with a 95% bootstrap interval over problems (opdistill.train.stats).
+each a per-token mean over response tokens with a 95% bootstrap interval over problems (opdistill.runs.stats).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/diagnose_topk.py RUN_DIR [--base] [overrides...]
 """
@@ -37,8 +37,8 @@ NAMES = ("rkl_full", "fkl_full", "rkl_tail", "fkl_tail", "rkl_in_rest", "student
 def diagnose(cfg, tok, student, teacher, task, problems, k: int) -> dict:
     from opdistill import shift_for_next_token
     from opdistill.data import render_prompt
-    from opdistill.rollout import generate_rollouts
-    from opdistill.train.stats import ratio_intervals
+    from opdistill.engines.rollout import generate_rollouts
+    from opdistill.runs.stats import ratio_intervals
 
     ec = cfg.eval
     prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]

@@ -83,10 +83,10 @@ def _worker(record_path: str, train_args: list[str]) -> int:
     import torch.distributed as dist
 
     from opdistill.cli import main
-    from opdistill.train import loop
+    from opdistill.train import assemble, loop
 
     seen: dict = {}
-    real_init, real_wrap, real_shard = loop.init_distributed, loop.wrap_student, loop.shard_teacher
+    real_init, real_wrap, real_build = loop.init_distributed, assemble.wrap_student, assemble.build_teacher
 
     def init(cfg):
         ctx = real_init(cfg)
@@ -99,12 +99,12 @@ def _worker(record_path: str, train_args: list[str]) -> int:
         seen.update(student_device=str(p.device), student_dtype=str(p.dtype).removeprefix("torch."))
         return real_wrap(ctx, student)
 
-    def shard(ctx, cfg, teacher):
-        out = real_shard(ctx, cfg, teacher)
-        seen.update(teacher=type(out).__name__)
+    def build(cfg, context, **kw):
+        out = real_build(cfg, context, **kw)
+        seen.update(teacher=type(out.train).__name__)
         return out
 
-    loop.init_distributed, loop.wrap_student, loop.shard_teacher = init, wrap, shard
+    loop.init_distributed, assemble.wrap_student, assemble.build_teacher = init, wrap, build
     try:
         return main(["train", *train_args])
     finally:

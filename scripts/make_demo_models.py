@@ -25,7 +25,7 @@ import torch
 
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
 from opdistill.models import build_tiny_llama, char_tokenizer, load_model
-from opdistill.rollout import generate_rollouts
+from opdistill.engines.rollout import generate_rollouts
 
 TEACHER = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
 STUDENT = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from opdistill import DistillationConfig, DistillationLoss, TeacherTopK
+from opdistill import DistillationConfig, DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.models import load_model, smollm2_folder
 from opdistill.train.step import StepData, train_step
 
@@ -52,8 +52,8 @@ def main():
     resp = torch.zeros(B, S, dtype=torch.long)
     resp[:, S // 4:] = 1
     data = StepData(ids, torch.ones(B, S, dtype=torch.long), resp,
-                    teacher_topk=TeacherTopK(torch.rand(B, S, V // 64).topk(K, -1).indices * 64,
-                                             torch.log_softmax(torch.randn(B, S, K), -1)))
+                    scores=TeacherScores(TeacherTopK(torch.rand(B, S, V // 64).topk(K, -1).indices * 64,
+                                                     torch.log_softmax(torch.randn(B, S, K), -1))))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     loss_fn = DistillationLoss(DistillationConfig(loss_mode="topk", support="tail", divergence="forward", topk=K))
@@ -68,7 +68,7 @@ def main():
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     t0 = time.perf_counter()
-    m = train_step(model, opt, data, method="on_policy", loss_fn=loss_fn, micro_batch_tokens=B * S, grad_clip=1.0)
+    m = train_step(model, opt, data, loss_fn=loss_fn, micro_batch_tokens=B * S, grad_clip=1.0)
     dt = time.perf_counter() - t0
     done.set()
     t.join()

@@ -2,7 +2,7 @@
 does the step lower the exact (full-vocabulary) teacher-KL on the batch it was taken on and on unseen positions?
 
 Batch A (the step's) and batch B (unseen prompts) are on-policy samples of the untrained student, scored by the
-teacher (the trainer's own ``_collect``). For each (family, lr): a fresh copy of the student, AdamW as the trainer
+teacher (the trainer's own ``Collector``). For each (family, lr): a fresh copy of the student, AdamW as the trainer
 builds it (``optim`` section, constant lr, the config's grad_clip), ONE ``train_step`` on A; then, teacher-forced on
 A and on B, per response position the exact KL(pi || nu) and KL(nu || pi) (float64 from full logits), the student's
 mass outside the teacher's top-K, and the tail-bucket reverse KL, averaged over positions.
@@ -74,9 +74,10 @@ def main(argv=None):
     from opdistill import DistillationConfig, DistillationLoss
     from opdistill.data import PromptSource
     from opdistill.train import load_config
-    from opdistill.train.loop import _collect, build_task, load_models
+    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
+    from opdistill.train.collect import Collector
+    from opdistill.train.loop import build_task, load_models
     from opdistill.train.optim import build_optimizer
-    from opdistill.train.remote_teacher import score_rows
     from opdistill.train.step import train_step
 
     spec = importlib.util.spec_from_file_location("chk", Path(__file__).with_name("check_trainer_gradients.py"))
@@ -94,9 +95,9 @@ def main(argv=None):
     # the sampler's log-probs are drawn only when the config's loss reads them: the policy-gradient update below does
     with_old = cfg.model_copy(update={"loss": dataclasses.replace(cfg.loss, use_policy_gradient=True)})
     for step in (1, 2):  # A: the step's batch; B: unseen prompts
-        data, _ = _collect(with_old, step, tok, student, teacher, task, source)
-        sc = score_rows(teacher, data.input_ids, data.attention_mask, data.response_mask, k=a.k, sampled=True)
-        data.teacher_topk, data.teacher_sampled = sc.topk, sc.sampled_logprobs
+        data, _ = Collector(with_old, tok=tok, task=task, source=source, teacher=None)(step, student)
+        data.scores = LocalTeacher(teacher).score(Rows(data.input_ids, data.attention_mask, data.response_mask),
+                                                  ScoreRequest(k=a.k, sampled=True))
         batches.append((data, teacher_logs(teacher, data)))
     (A, tA), (B, tB) = batches
     res = {"base": {"A": exact_kls(student, A, tA, a.k), "B": exact_kls(student, B, tB, a.k)}}
@@ -108,8 +109,7 @@ def main(argv=None):
             opt = build_optimizer(params, cfg.optim.model_copy(update={"lr": lr}))
             lc = chk.FAMILIES[fam]
             loss_fn = DistillationLoss(DistillationConfig(**lc, topk=a.k if lc["loss_mode"] == "topk" else None))
-            m = train_step(s, opt, A, method="on_policy", loss_fn=loss_fn, micro_batch_tokens=1024,
-                           grad_clip=cfg.optim.grad_clip, pg_kwargs=dict(loss_agg_mode="token-mean"))
+            m = train_step(s, opt, A, loss_fn=loss_fn, micro_batch_tokens=1024, grad_clip=cfg.optim.grad_clip)
             row = {"A": exact_kls(s, A, tA, a.k), "B": exact_kls(s, B, tB, a.k), "grad_norm": m["train/grad_norm"]}
             res[f"{fam}@{lr:g}"] = row
             print(f"{fam}@{lr:g}", json.dumps(row), flush=True)

@@ -62,7 +62,7 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
 
 
 def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
-    """``ShardedTeacher.score`` against the replicated teacher's ``score_rows`` on rows whose counts differ by rank
+    """``ShardedTeacher.score`` against the replicated teacher's (``LocalTeacher.score``) on rows whose counts differ by rank
     (rank 0: 5 rows with a chunk of no response position; the others: 2), then with no row at all on the last rank,
     at ``row_chunk`` 2 (3 chunks vs 1: the short ranks run padding forwards) and at the default 64. Returns what the
     test checks: every compared tensor exactly equal, the forwards run, whether the weights are sharded again."""
@@ -70,8 +70,7 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from opdistill.models import load_model
-    from opdistill.train.remote_teacher import score_rows
-    from opdistill.train.sharded_teacher import ShardedTeacher
+    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, ShardedTeacher
 
     def rows(n, seed, S=9):
         g = torch.Generator().manual_seed(seed)
@@ -95,8 +94,8 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
                  (3 if rank == 0 else 1, dict(k=4, sampled=False))]
         for n, kw in cases:
             ids, am, resp = rows(n, seed=10 * rank + n)
-            got = sharded.score(ids, am, resp, **kw)
-            want = score_rows(reference, ids, am, resp, **kw) if n else None
+            got = sharded.score(Rows(ids, am, resp), ScoreRequest(**kw))
+            want = LocalTeacher(reference).score(Rows(ids, am, resp), ScoreRequest(**kw)) if n else None
             pairs = []
             if kw["k"]:
                 pairs += [(got.topk.ids, None if want is None else want.topk.ids),
@@ -106,7 +105,7 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
             out["exact"].append(all((g.shape[0] == 0) if w is None else (g.shape == w.shape and torch.equal(g, w))
                                     for g, w in pairs))
         out["forwards"].append(sharded.forwards)
-        w = sharded.module.get_output_embeddings().weight
+        w = sharded.model.get_output_embeddings().weight
         out["sharded_after"].append(isinstance(w, DTensor) and w.to_local().shape[0] < w.shape[0])
     return out
 

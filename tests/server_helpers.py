@@ -94,7 +94,7 @@ def demo_student_rows():
 
     from opdistill.data import CarryAdditionTask, render_prompt
     from opdistill.models import load_model, load_tokenizer
-    from opdistill.rollout import generate_rollouts
+    from opdistill.engines.rollout import generate_rollouts
 
     tok = load_tokenizer(DEMO / "student")
     student = load_model(DEMO / "student")

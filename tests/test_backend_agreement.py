@@ -131,8 +131,6 @@ def run_code(case: Case, d: dict, student, *, tp_group=None, vocab_size=None, te
         teacher = TeacherTopK(d["code_ids"], d["code_lp"])
     elif cfg.loss_mode == "sampled":
         teacher = TeacherSampled(d["code_t_sampled"])
-        if isinstance(student, torch.Tensor):  # logits -> the log-probs of the sampled tokens, as the trainer does
-            student = loss_fn.backend(student).token_logprobs(student, d["sampled"], temperature=cfg.temperature)
     elif isinstance(student, StudentHidden):
         teacher = TeacherHidden(d["code_th"], d["tw"] / 2, logit_scale=2.0)
     else:

@@ -2,7 +2,6 @@
 reasoning-gym tasks by name, and the math-aware answer check."""
 import json
 import random
-import warnings
 
 import pytest
 
@@ -224,7 +223,7 @@ def test_trainer_trains_on_chat_rows_and_evaluates_only_held_out(tmp_path, monke
     from opdistill.cli import main
     from opdistill.data import prompts as prompts_mod
     from opdistill.train import loop
-    from opdistill.train.logger import read_metrics
+    from opdistill.runs.files import read_metrics
     from tests.trainer_helpers import make_model_dir
 
     chars = "abcdefghijklmnopqrstuvwxyz[]0123456789 ?#"

@@ -11,8 +11,8 @@ import yaml
 from opdistill.cli import main
 from opdistill.demo import demo_figure
 from opdistill.train.config import load_config
-from opdistill.train.evaluate import METRICS
-from opdistill.train.logger import read_metrics
+from opdistill.runs.values import METRICS
+from opdistill.runs.files import read_metrics
 from opdistill.train.loop import run_training
 from tests.trainer_helpers import tiny_config_dict
 
@@ -122,7 +122,7 @@ def test_compare_groups_seeds_and_draws_curves_with_bands(runs, tmp_path, capsys
 
 
 def test_runs_keep_per_problem_values_and_compare_pairs_them(runs, tmp_path, capsys):
-    from opdistill.train.stats import paired_change
+    from opdistill.runs.stats import paired_change
 
     for d in runs[:2]:  # one file per evaluation, equal to the logged metrics' sums
         assert sorted(p.name for p in (d / "eval").iterdir()) == [f"step_00000{s}.json" for s in (0, 1, 2)]
@@ -144,7 +144,7 @@ def test_runs_keep_per_problem_values_and_compare_pairs_them(runs, tmp_path, cap
 
 
 def test_compare_pairs_groups_step_by_step(runs, tmp_path, capsys):
-    from opdistill.train.stats import paired_difference
+    from opdistill.runs.stats import paired_difference
 
     assert main(["compare", *map(str, runs), "--out", str(tmp_path / "c.png"), "--metric", "eval/teacher_kl",
                  "--metric", "eval/sampled_acc"]) == 0
@@ -208,7 +208,7 @@ def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys, monkey
 def test_change_table_cells_from_hand_written_values(tmp_path):
     """Hand-written per-problem values: a metric 30% lower on every problem reads -0.300 with a zero-width interval;
     a metric that is 0 before (no relative change) and a run with one evaluation read n/a."""
-    from opdistill.train.compare import Group, change_table, load_runs
+    from opdistill.runs.compare import Group, change_table, load_runs
 
     def run(name, evals):
         d = tmp_path / name
@@ -294,7 +294,8 @@ def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, bud
         monkeypatch.setattr(evaluate_mod, "DIAGNOSTIC_LOGITS", budget)
 
     from opdistill.data import PromptSource, render_prompt
-    from opdistill.rollout import generate_rollouts
+    from opdistill.engines.rollout import generate_rollouts
+    from opdistill.teachers import LocalTeacher
     from opdistill.train.evaluate import evaluate_values
     from opdistill.train.loop import build_task, load_models
     from tests.reference import diagnostics_reference, topk_row
@@ -307,7 +308,7 @@ def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, bud
     widths = []  # rows of each full-sequence student forward (the diagnostics)
     hook = student.register_forward_pre_hook(lambda m, a, kw: widths.append(tuple(kw["input_ids"].shape)),
                                              with_kwargs=True)
-    vals = evaluate_values(student, tok, task, problems, teacher=teacher, max_new_tokens=12, topk=K,
+    vals = evaluate_values(student, tok, task, problems, teacher=LocalTeacher(teacher), max_new_tokens=12, topk=K,
                            batch_size=2, seed=seed, num_samples=2)
     hook.remove()
     full = max(w[1] for w in widths)
@@ -350,7 +351,7 @@ def test_demo_method_differences_from_kept_values(tmp_path):
     """Each later method minus the first, at equal time (each run's last evaluation) and at the equal step, mean over
     seeds, from hand-written per-problem values: the point is the difference of the accuracies and KLs as written."""
     from opdistill.demo import method_differences
-    from opdistill.train.stats import paired_difference
+    from opdistill.runs.stats import paired_difference
 
     rng = np.random.default_rng(0)
     n = 30

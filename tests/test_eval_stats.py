@@ -1,4 +1,4 @@
-"""Confidence intervals of the evaluation: the bootstrap over problems (opdistill/train/stats.py) and the per-problem
+"""Confidence intervals of the evaluation: the bootstrap over problems (opdistill/runs/stats.py) and the per-problem
 values the evaluation turns into metrics (evaluate_values, summarize) (opdistill/train/evaluate.py).
 
 Expectations come from an independent numpy implementation (explicit index draws, per-resample sums, a hand-written
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from opdistill.train.evaluate import METRICS, EvalValues, nest_intervals, summarize, values_from_json, values_to_json
-from opdistill.train.stats import paired_change, paired_difference, ratio_interval, ratio_intervals
+from opdistill.runs.values import METRICS, EvalValues, nest_intervals, summarize, values_from_json, values_to_json
+from opdistill.runs.stats import paired_change, paired_difference, ratio_interval, ratio_intervals
 
 
 def _quantile(sorted_vals, q):

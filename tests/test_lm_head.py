@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from opdistill.fused import causal_lm_hidden, read_lm_head  # noqa: E402
-from opdistill.teacher import score_teacher  # noqa: E402
+from opdistill.teachers import score_teacher  # noqa: E402
 
 TINY = dict(vocab_size=131, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=64)

@@ -142,13 +142,7 @@ def test_distillation_loss_ignores_masked_positions(cfg, backend, poison):
         def run(hh, ww, bb):
             return loss_fn(StudentHidden(hh, ww, bb), teacher, mask, batch, **extra)[0]
         args, bad_args = (h, w, b), (poisoned(h, mask, poison), w, b)
-    elif cfg.loss_mode == "sampled":  # the student's log-probs of its sampled tokens are the input
-        s = token_logprobs(torch.nn.functional.linear(h, w, b), sampled)
-
-        def run(ss):
-            return loss_fn(ss, teacher, mask, batch, **extra)[0]
-        args, bad_args = (s,), (torch.where(mask, s, poison),)
-    else:
+    else:  # logits (loss_mode sampled: the loss reads the log-probs of the sampled tokens from them)
         z = torch.nn.functional.linear(h, w, b)
 
         def run(zz):

@@ -24,9 +24,8 @@ from opdistill.metrics import MetricSums
 from opdistill.models import load_model, load_tokenizer
 from opdistill.train import load_config, run_training
 from opdistill.train import loop as loop_module
-from opdistill.train.logger import read_metrics
-from opdistill.train.teachers import PendingScores, routed_split
-from opdistill.teacher import TeacherScores
+from opdistill.runs.files import read_metrics
+from opdistill import TeacherScores
 from opdistill import TeacherTopK
 from tests.reference import distillation_reference
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
@@ -176,16 +175,19 @@ def test_a_teacher_without_rows_in_a_step_reports_zeros(tmp):
 
 def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_process, monkeypatch):
     """teacher 'big' from a real server, 'small' in process; overlap on and off: bit for bit the in-process run.
-    With overlap on, the request is still on its way when the step starts (``StepData.pending``); off, it is not."""
-    from opdistill.engines.remote import TeacherServiceError
+    With overlap on, the request is still on its way when the step starts (``StepData.scores`` is a Future); off,
+    it is not."""
+    from concurrent.futures import Future
+
+    from opdistill.teachers import TeacherServiceError
     from tests.server_helpers import free_port
     from tests.test_teacher_service import start_server, stop
 
     local_rows, _ = in_process
     pending = []
     real = loop_module.train_step
-    monkeypatch.setattr(loop_module, "train_step", lambda m, o, data, **kw: (pending.append(data.pending is not None),
-                                                                              real(m, o, data, **kw))[1])
+    monkeypatch.setattr(loop_module, "train_step", lambda m, o, data, **kw: (
+        pending.append(isinstance(data.scores, Future)), real(m, o, data, **kw))[1])
     port = free_port()
     proc = start_server(str(tmp / "teacher2"), port)
     try:
@@ -200,10 +202,11 @@ def test_one_teacher_served_over_http_gives_the_in_process_numbers(tmp, in_proce
             got = _step_rows(tmp / run)
             keys = [k for k in local_rows[0] if k.startswith(("distillation/", "teacher/", "train/grad_norm"))]
             assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in local_rows]
-        # a served teacher is checked against the student like teacher.url is, the message naming its key
+        # a served teacher is checked against the student like teacher.url is, the message naming its key (the
+        # in-process member shares the student's tokenizer: an incompatible one is refused before anything loads)
         other = make_model_dir(tmp / "student_other_vocab", hidden=16, layers=1, seed=2, chars="0123456789+=,>ab")
         c = _config(tmp, "served_incompatible", teachers=[{"name": "big", "url": url},
-                                                          {"name": "small", "path": str(tmp / "teacher")}])
+                                                          {"name": "small", "path": other}])
         c["model"] = dict(c["model"], student=other)
         with pytest.raises(TeacherServiceError) as e:
             run_training(load_config(base=c), quiet=True)
@@ -407,10 +410,11 @@ def test_mixed_task_draws_tags_and_scores_by_its_own_task():
 
 def test_routed_micro_batches_and_reassembly():
     """One teacher per micro-batch within the token budget; scores put back in the step's row order."""
-    from opdistill.train.step import token_budget_split
+    from opdistill.train.step import group_split, token_budget_split
 
     row_teacher = torch.tensor([1, 0, 1, 1, 0, 1])
-    micro = routed_split([5, 6, 5, 9, 4, 3], 12, row_teacher, token_budget_split)
+    groups = [torch.nonzero(row_teacher == j).flatten() for j in (0, 1)]
+    micro = group_split([5, 6, 5, 9, 4, 3], 12, groups, token_budget_split)
     assert micro == [[1, 4], [0, 2], [3], [5]]  # teacher 0: 2 x 6 <= 12; teacher 1: 2 x 5, then 9 alone, 3 alone
     assert sorted(r for g in micro for r in g) == list(range(6))
     ids = torch.arange(6 * 2 * 3).reshape(6, 2, 3)
@@ -419,14 +423,14 @@ def test_routed_micro_batches_and_reassembly():
     for j in (0, 1):
         rows = torch.nonzero(row_teacher == j).flatten()
         parts.append((rows, TeacherScores(TeacherTopK(ids[rows], lp[rows], validated=True), lp[rows, :, 0])))
-    got = PendingScores(parts).result()
+    got = TeacherScores.join([s for _, s in parts], torch.cat([rows for rows, _ in parts]))
     assert torch.equal(got.topk.ids, ids) and torch.equal(got.topk.logprobs, lp) and got.topk.validated
     assert torch.equal(got.sampled_logprobs, lp[:, :, 0])
 
 
 def test_overlapped_scores_follow_the_rows_to_their_device():
-    """train.device cuda: train_step moves the rows (data_to) while a request is still on its way (data.pending);
-    the scores that arrive later land on the rows' device. The meta device stands in for CUDA here."""
+    """train.device cuda: train_step moves the rows (data_to) while a request is still on its way (data.scores is a
+    Future); the scores that arrive later land on the rows' device. The meta device stands in for CUDA here."""
     from concurrent.futures import Future
 
     from opdistill.train.placement import data_to
@@ -437,16 +441,16 @@ def test_overlapped_scores_follow_the_rows_to_their_device():
                                        validated=True), torch.full((1, 3), -0.5))
     for sampled in (False, True):
         fut: Future = Future()
-        data = StepData(ids, torch.ones_like(ids), torch.tensor([[0, 1, 1]]), row_teacher=torch.tensor([0]),
-                        teacher_names=("a",), pending=PendingScores([(None, fut)]))
+        data = StepData(ids, torch.ones_like(ids), torch.tensor([[0, 1, 1]]), scores=fut,
+                        groups={"teacher/a/": torch.tensor([0])})
         moved = data_to(data, torch.device("meta"))
-        assert moved.pending is data.pending and moved.row_teacher.device.type == "meta"
+        assert moved.scores is data.scores and moved.groups["teacher/a/"].device.type == "meta"
         fut.set_result(scores if not sampled else TeacherScores(None, scores.sampled_logprobs))
-        moved.pending.fill(moved)
-        assert moved.pending is None
-        got = [moved.teacher_sampled] if sampled else [moved.teacher_topk.ids, moved.teacher_topk.logprobs]
+        got_scores = moved.teacher_scores()
+        assert not isinstance(moved.scores, Future)
+        got = [got_scores.sampled_logprobs] if sampled else [got_scores.topk.ids, got_scores.topk.logprobs]
         assert [t.device.type for t in got] == ["meta"] * len(got)
-        assert sampled or moved.teacher_topk.validated
+        assert sampled or got_scores.topk.validated
 
 
 def test_metric_sums_renamed_copies_exactly():

@@ -20,7 +20,7 @@ from opdistill.train.checkpoint import CheckpointError, load_weights
 from opdistill.train.config import load_config
 from opdistill.train.preflight import check_against_models, check_finite_weights
 from opdistill.train.rundir import RunError, RunWarning, check_checkpoint_config, open_run_dir
-from tests.trainer_helpers import make_model_dir, tiny_config_dict
+from tests.trainer_helpers import tiny_config_dict
 
 BASE = {"model": {"student": "s", "teacher": "t"}, "loss": {"topk": 4}}
 
@@ -295,9 +295,10 @@ def test_distillation_loss_refuses_a_nan_task_advantage():
     adv = torch.zeros(2, 3, dtype=torch.float64)
     adv[0, 2] = float("nan")  # was a NaN loss and a NaN gradient with no error
     loss_fn = DistillationLoss(DistillationConfig(loss_mode="sampled", use_task_rewards=True))
+    z = torch.randn(2, 3, 5, dtype=torch.float64)  # the student's logits (the loss reads its sampled tokens' log-probs)
     with pytest.raises(ValueError, match=re.escape("advantages is not finite at position (0, 2) (NaN or inf)")):
-        loss_fn(s, TeacherSampled(s - 0.1), mask, GlobalBatch.from_masks([mask]), old_logprobs=s,
-                task_advantages=adv)
+        loss_fn(z, TeacherSampled(s - 0.1), mask, GlobalBatch.from_masks([mask]), old_logprobs=s,
+                task_advantages=adv, sampled_ids=torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_a_duplicate_yaml_key_is_refused_not_silently_replaced(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, policy_gradient_loss
+from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, PolicyGradientLoss, policy_gradient_loss
 from opdistill.train.config import ConfigError, load_config
-from opdistill.train.step import StepData, rollout_mismatch, tis_weights, train_step
+from opdistill.train.step import rollout_mismatch, tis_weights, train_step
 from tests.reference import distillation_reference, policy_reference
 from tests.test_trainer_step import _setup
 
@@ -51,12 +51,8 @@ def test_weighted_distillation_loss_and_gradient_equal_the_float64_reference(cfg
     (g_ref,) = torch.autograd.grad(ref, zr)
     zo = z.clone().requires_grad_(True)
     from opdistill import TeacherSampled, TeacherTopK
-    if dc.loss_mode == "topk":
-        student, teacher = zo, TeacherTopK(ids, lp)
-    else:
-        student = F.log_softmax(zo, -1).gather(-1, sampled[..., None])[..., 0]
-        teacher = TeacherSampled(t_sampled)
-    loss, _ = DistillationLoss(dc)(student, teacher, mask, batch, sampled_ids=sampled, old_logprobs=old,
+    teacher = TeacherTopK(ids, lp) if dc.loss_mode == "topk" else TeacherSampled(t_sampled)
+    loss, _ = DistillationLoss(dc)(zo, teacher, mask, batch, sampled_ids=sampled, old_logprobs=old,
                                    task_advantages=adv, token_weights=w)
     (g,) = torch.autograd.grad(loss, zo)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
@@ -120,8 +116,8 @@ def _step(student, data, method, loss_cfg, mismatch):
     model = type(student)(student.config).to(torch.float64)
     model.load_state_dict(student.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_fn = DistillationLoss(loss_cfg) if method != "rl" else None
-    m = train_step(model, opt, data, method=method, loss_fn=loss_fn, micro_batch_tokens=10**6, grad_clip=None,
+    loss_fn = DistillationLoss(loss_cfg) if method != "rl" else PolicyGradientLoss.from_config(loss_cfg)
+    m = train_step(model, opt, data, loss_fn=loss_fn, micro_batch_tokens=10**6, grad_clip=None,
                    mismatch=mismatch)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, m
 

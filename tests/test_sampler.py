@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
+from opdistill.data import CarryAdditionTask, render_prompt
 from opdistill.engines.sampler import row_key, sample, truncate_logits
 from opdistill.models import build_tiny_llama, char_tokenizer, load_model, load_tokenizer
-from opdistill.rollout import generate_rollouts
+from opdistill.engines.rollout import generate_rollouts
 
 DEMO_ASSETS = Path(__file__).resolve().parent.parent / "opdistill" / "assets" / "demo"
 
@@ -282,7 +282,7 @@ def test_trainer_steps_do_not_depend_on_the_rollout_batch_size(tmp_path, method)
     same run (every logged number but the timings and the sampler/trainer mismatch ``rollout/*``, which measures the
     last-bit differences the batch shape makes in the sampler's log-probs), and another train.seed does not."""
     from opdistill.train.config import load_config
-    from opdistill.train.logger import read_metrics
+    from opdistill.runs.files import read_metrics
     from opdistill.train.loop import run_training
     from tests.trainer_helpers import tiny_config_dict
 
@@ -307,7 +307,7 @@ def test_trainer_passes_rollout_min_new_tokens(tmp_path):
     import warnings as _w
 
     from opdistill.train.config import load_config
-    from opdistill.train.logger import read_metrics
+    from opdistill.runs.files import read_metrics
     from opdistill.train.loop import run_training
     from tests.trainer_helpers import tiny_config_dict
 

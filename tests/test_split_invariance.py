@@ -22,7 +22,6 @@ from opdistill import (
     TeacherSampled,
     TeacherTopK,
     pack,
-    token_logprobs,
 )
 
 B, S, V, K = 9, 7, 13, 4
@@ -108,8 +107,7 @@ def run(cfg, data, leaf, micro_batches, dp_size, packed):
         if cfg.loss_mode == "topk":
             student, teacher = mb["logits"], TeacherTopK(mb["ids"], mb["t_lp"])
         elif cfg.loss_mode == "sampled":
-            student = token_logprobs(mb["logits"], mb["sampled"])
-            teacher = TeacherSampled(mb["t_sampled"])
+            student, teacher = mb["logits"], TeacherSampled(mb["t_sampled"])
         else:
             student, teacher = mb["logits"], TeacherLogits(mb["t_logits"])
         loss, m = loss_fn(student, teacher, mb["mask"], gb, sampled_ids=mb["sampled"], old_logprobs=mb["old"],

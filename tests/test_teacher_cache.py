@@ -17,8 +17,9 @@ import opdistill
 from opdistill.cli import main
 from opdistill.data import CARRY_ADD_CHARS
 from opdistill.models import build_tiny_llama, char_tokenizer
-from opdistill.teacher import (CACHE_FORMAT, TeacherCacheError, load_cache, save_cache, score_teacher,
-                               tokenizer_fingerprint)
+from opdistill.teachers.cache import CACHE_FORMAT, TeacherCacheError, load_cache, save_cache
+from opdistill.teachers.local import score_teacher
+from opdistill.teachers.fingerprint import tokenizer_fingerprint
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 SWAPPED_CHARS = "1023456789+=,>"  # CARRY_ADD_CHARS with '0' and '1' swapped: same size, other ids

@@ -5,7 +5,6 @@ Expectations come from the in-process teacher (`score_teacher`, the trainer with
 log-softmax of the model's own logits, never from the code under test.
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,11 +21,12 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[
 pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]') is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
 
-from opdistill.engines.remote import (MEDIA_BINARY, MEDIA_JSON, RemoteTeacher, ScoreResult,  # noqa: E402
-                                      TeacherServiceError, decode_result, encode_result, parse_accept)
+from opdistill.teachers import LocalTeacher, RemoteTeacher, Rows, ScoreRequest, TeacherServiceError  # noqa: E402
+from opdistill.teachers.wire import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_result, encode_result,  # noqa: E402
+                                     parse_accept)
 from opdistill.models import char_tokenizer, load_model, load_tokenizer  # noqa: E402
-from opdistill.serve.app import BadRequest, ServeError, TeacherService, _Job, check_bind, run_jobs  # noqa: E402
-from opdistill.teacher import score_teacher  # noqa: E402
+from opdistill.serve.app import ServeError, TeacherService, _Job, check_bind, run_jobs  # noqa: E402
+from opdistill.teachers import score_teacher  # noqa: E402
 from opdistill.train import load_config, run_training  # noqa: E402
 from opdistill.errors import ConfigError  # noqa: E402
 from tests.server_helpers import free_port, start_server_process, stop_server_process  # noqa: E402,F401
@@ -209,7 +209,7 @@ def test_scores_equal_the_in_process_teacher(models, server, tmp_path):
     ref = score_teacher(teacher, ids, am, k=4, sampled_ids=tgt)
     for payload in ("fp32", "json"):
         with RemoteTeacher(server, token_file=str(token_file), payload=payload) as c:
-            s = c.score(ids, am, rm, k=4, sampled=True)
+            s = c.score(Rows(ids, am, rm), ScoreRequest(k=4, sampled=True))
         assert torch.equal(s.topk.ids[keep], ref.topk.ids[keep])
         assert torch.equal(s.topk.logprobs[keep], ref.topk.logprobs[keep])
         assert torch.equal(s.sampled_logprobs[keep], ref.sampled_logprobs[keep])
@@ -227,11 +227,11 @@ def test_rows_above_the_request_limit_go_in_several_requests(models, server):
     ids, am, rm = _rows(seed=2, B=5, V=teacher.config.vocab_size)
     keep = _keep(rm)
     with RemoteTeacher(server, token_file=str(token_file)) as c:
-        whole = c.score(ids, am, rm, k=4, sampled=True)
+        whole = c.score(Rows(ids, am, rm), ScoreRequest(k=4, sampled=True))
         c.fetch_info()
         c.info["max_request_tokens"] = 2 * ids.shape[1]  # as if the server took 2 rows per request
         before = c.requests
-        split = c.score(ids, am, rm, k=4, sampled=True)
+        split = c.score(Rows(ids, am, rm), ScoreRequest(k=4, sampled=True))
         assert c.requests - before == 3
     assert torch.equal(split.topk.ids, whole.topk.ids)
     assert torch.allclose(split.topk.logprobs[keep], whole.topk.logprobs[keep], atol=1e-5)
@@ -260,7 +260,7 @@ def test_requested_ids_and_temperature(models, server):
 def test_merged_requests_equal_the_alone_ones(models):
     tmp, cfg, _ = models
     teacher = load_model(cfg["model"]["teacher"])
-    svc = TeacherService(teacher, load_tokenizer(cfg["model"]["teacher"]), model_id="t", max_k=8)
+    svc = TeacherService(LocalTeacher(teacher), load_tokenizer(cfg["model"]["teacher"]), model_id="t", max_k=8)
     V = svc.vocab_size
     jobs = []
     for seed, (B, S) in enumerate([(2, 9), (3, 14), (1, 6)]):
@@ -536,21 +536,21 @@ def test_two_training_steps_through_a_vllm_style_endpoint(models, fake_vllm, in_
 
 def test_vllm_style_endpoint_errors_name_the_server_and_the_request(models, fake_vllm):
     tmp, cfg, _ = models
-    from opdistill.engines.remote import VLLMPromptLogprobsTeacher
+    from opdistill.teachers import StockVllmTeacher
 
     ids = torch.tensor([[1, 2, 3, 4, 0]])
     am = torch.tensor([[1, 1, 1, 1, 0]])
     rm = torch.tensor([[0, 0, 1, 1, 0]])
-    with VLLMPromptLogprobsTeacher(fake_vllm) as c:
+    with StockVllmTeacher(fake_vllm) as c:
         assert c.check_student(None)["model"] == "the-teacher"
         with pytest.raises(TeacherServiceError) as e:
-            c.score(ids, am, rm, k=8, what="step 3")
+            c.score(Rows(ids, am, rm), ScoreRequest(k=8, what="step 3"))
         assert str(e.value) == (f"teacher.url={fake_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
                                 f"Requested prompt logprobs of 8, which is greater than max allowed: 6 "
                                 f"(parameter=prompt_logprobs, value=8); lower loss.topk to at most the server's "
                                 f"--max-logprobs, or restart vllm serve with --max-logprobs >= 8")
         with pytest.raises(TeacherServiceError, match=r"rows must be right-padded"):
-            c.score(ids, torch.tensor([[0, 1, 1, 1, 1]]), rm, k=2)
-    with VLLMPromptLogprobsTeacher(fake_vllm, model="other") as c:
+            c.score(Rows(ids, torch.tensor([[0, 1, 1, 1, 1]]), rm), ScoreRequest(k=2))
+    with StockVllmTeacher(fake_vllm, model="other") as c:
         with pytest.raises(TeacherServiceError, match=r"teacher.model='other' is not served \(served: \['the-teacher'\]\)"):
             c.check_student(None)

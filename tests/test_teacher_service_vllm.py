@@ -21,10 +21,11 @@ httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[
 pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]') is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
 
-from opdistill.engines.remote import RemoteTeacher, TeacherServiceError, engine_refusal  # noqa: E402
+from opdistill.teachers import LocalTeacher, RemoteTeacher, Rows, ScoreRequest, TeacherServiceError  # noqa: E402
+from opdistill.teachers.wire import engine_refusal  # noqa: E402
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import BadRequest, TeacherService, parse_request  # noqa: E402
-from opdistill.teacher import teacher_fingerprint, teacher_fingerprint_from_folder  # noqa: E402
+from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder  # noqa: E402
 from tests.server_helpers import (assert_same_ids_but_ties, demo_student_rows, free_port,  # noqa: E402
                                   padded_rows, start_server_process, stop_server_process)
 
@@ -117,7 +118,7 @@ def test_client_refuses_before_sending_what_the_server_cannot_answer():
 def test_server_refuses_with_422_what_its_engine_cannot_answer():
     """parse_request checks the service's /info limits (the same rule the client runs)."""
     teacher = load_model(DEMO / "teacher")
-    svc = TeacherService(teacher, load_tokenizer(DEMO / "teacher"), model_id="t", max_k=64)
+    svc = TeacherService(LocalTeacher(teacher), load_tokenizer(DEMO / "teacher"), model_id="t", max_k=64)
     assert {f: svc.info[f] for f in HF_LIMITS} == HF_LIMITS
     good = {"input_ids": [[1, 2, 3, 4]], "attention_mask": [[1, 1, 1, 1]], "response_mask": [[0, 0, 1, 1]], "k": 2}
     assert parse_request({**good, "temperature": 0.5}, svc, 10 ** 6)["temperature"] == 0.5
@@ -233,8 +234,8 @@ def test_scores_equal_the_hf_servers_to_the_measured_bound(servers, demo_rows, p
         keep = _keep(rm)
         with RemoteTeacher(servers["vllm"], payload=payload) as v, RemoteTeacher(servers["hf"], payload=payload) as h:
             v.fetch_info()
-            got = v.score(ids, am, rm, k=8, sampled=True)
-            ref = h.score(ids, am, rm, k=8, sampled=True)
+            got = v.score(Rows(ids, am, rm), ScoreRequest(k=8, sampled=True))
+            ref = h.score(Rows(ids, am, rm), ScoreRequest(k=8, sampled=True))
         lp_v, lp_h = got.topk.logprobs[keep], ref.topk.logprobs[keep]
         diffs += [(lp_v - lp_h).abs().max().item(),
                   (got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item()]
@@ -243,7 +244,7 @@ def test_scores_equal_the_hf_servers_to_the_measured_bound(servers, demo_rows, p
         assert torch.equal(got.topk.ids[~keep], ref.topk.ids[~keep])
         assert torch.equal(got.sampled_logprobs[~keep], ref.sampled_logprobs[~keep])
         with RemoteTeacher(servers["vllm"], payload=payload) as v:  # next-token only (loss_mode sampled): no top-K
-            alone = v.score(ids, am, rm, k=None, sampled=True)
+            alone = v.score(Rows(ids, am, rm), ScoreRequest(sampled=True))
         assert alone.topk is None
         diffs.append((alone.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item())
     print(f"max |vllm - hf| log-prob ({payload}): {max(diffs):.3g}")
@@ -258,10 +259,10 @@ def test_concurrent_requests_merged_by_the_vllm_server_equal_the_alone_ones(serv
     ids, am, rm = demo_rows[0]
     parts = [(ids[i : i + 3], am[i : i + 3], rm[i : i + 3]) for i in range(0, ids.shape[0], 3)]
     with RemoteTeacher(servers["vllm"]) as c:
-        alone = [c.score(*p, k=4, sampled=True) for p in parts]
+        alone = [c.score(Rows(*p), ScoreRequest(k=4, sampled=True)) for p in parts]
         before = httpx.get(servers["vllm"] + "/info").json()["batches"]
         with ThreadPoolExecutor(len(parts)) as ex:
-            merged = list(ex.map(lambda p: c.score(*p, k=4, sampled=True), parts))
+            merged = list(ex.map(lambda p: c.score(Rows(*p), ScoreRequest(k=4, sampled=True)), parts))
         batches = httpx.get(servers["vllm"] + "/info").json()["batches"] - before
     assert batches < len(parts)  # some requests were scored together
     for a, m, p in zip(alone, merged, parts):

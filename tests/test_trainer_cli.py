@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from opdistill.cli import main
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 from tests.trainer_helpers import tiny_config_dict
 
 
@@ -57,7 +57,7 @@ def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
 
     cache = tmp_path / "cache.safetensors"
     assert main(["score", "--config", str(cfg_file), "--out", str(cache), "--num-prompts", "3"]) == 0
-    from opdistill.teacher import load_cache
+    from opdistill.teachers import load_cache
 
     c = load_cache(cache)
     assert c["scores"].topk.ids.shape[-1] == 4 and c["input_ids"].shape[0] == 6  # 3 prompts x n=2

@@ -3,10 +3,12 @@ samples either way), and teacher scores at K = V in vocabulary order feeding the
 import pytest
 import torch
 
-import opdistill.rollout as rollout_mod
-from opdistill import DistillationLoss, TeacherTopK
+import opdistill.engines.rollout as rollout_mod
+from opdistill import DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.data import PromptSource
+from opdistill.teachers import LocalTeacher
 from opdistill.train import loop
+from opdistill.train.collect import Collector, needs_sampler_logprobs
 from opdistill.train.config import load_config
 from opdistill.train.step import train_step
 from tests.trainer_helpers import tiny_config_dict
@@ -24,7 +26,9 @@ def _collect(tmp_path, monkeypatch, overrides=()):
 
     monkeypatch.setattr(rollout_mod, "sample", spy)
     source = PromptSource(loop.build_task(cfg), cfg.train.seed, cfg.data.eval_seed)
-    data, _ = loop._collect(cfg, 2, tok, student, teacher, loop.build_task(cfg), source)
+    collect = Collector(cfg, tok=tok, task=loop.build_task(cfg), source=source, teacher=LocalTeacher(teacher),
+                        writer=teacher)
+    data, _ = collect(2, student)
     monkeypatch.undo()
     return cfg, (tok, student, teacher), data, asked
 
@@ -37,7 +41,7 @@ def _collect(tmp_path, monkeypatch, overrides=()):
 ])
 def test_sampler_logprobs_only_when_read(tmp_path, monkeypatch, overrides, needed):
     cfg, _, data, asked = _collect(tmp_path, monkeypatch, overrides)
-    assert asked == [needed] and loop.needs_sampler_logprobs(cfg) is needed
+    assert asked == [needed] and needs_sampler_logprobs(cfg) is needed
     assert (data.sampler_logprobs is not None) is needed
     _, _, ref, _ = _collect(tmp_path, monkeypatch, ("loss.use_task_rewards=true",))  # log-probs on
     assert torch.equal(data.input_ids, ref.input_ids) and torch.equal(data.response_mask, ref.response_mask)
@@ -51,7 +55,7 @@ def test_whole_vocabulary_step_equals_the_sorted_slots_step(tmp_path, monkeypatc
     cfg0 = load_config(base=tiny_config_dict(tmp_path))
     V = len(loop.load_models(cfg0)[0])
     cfg, (tok, student, teacher), data, _ = _collect(tmp_path, monkeypatch, (f"loss.topk={V}",))
-    t = data.teacher_topk
+    t = data.scores.topk
     m = data.response_mask.bool()
     assert t.ids.shape[-1] == V and torch.equal(t.ids[:, :-1][m[:, 1:]][0], torch.arange(V))
     lp, order = t.logprobs.sort(-1, descending=True)
@@ -60,8 +64,8 @@ def test_whole_vocabulary_step_equals_the_sorted_slots_step(tmp_path, monkeypatc
     for topk in (t, sorted_t):
         model = loop.load_models(cfg)[1]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        data.teacher_topk = topk
-        out.append(train_step(model, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss),
+        data.scores = TeacherScores(topk, data.scores.sampled_logprobs)
+        out.append(train_step(model, opt, data, loss_fn=DistillationLoss(cfg.loss),
                               micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=None))
         grads.append([p.grad.clone() for p in model.parameters()])
     assert out[0].keys() == out[1].keys()
@@ -75,7 +79,7 @@ def test_scoring_and_training_forwards_build_no_kv_cache(tmp_path, monkeypatch):
     """The teacher's scoring forward and the student's training forward are single forwards: they pass
     ``use_cache=False`` (``no_cache_kwargs``), so transformers builds no KV cache to throw away; same outputs."""
     from opdistill.fused import backbone_of, no_cache_kwargs
-    from opdistill.teacher import score_teacher
+    from opdistill.teachers import score_teacher
 
     cfg, (tok, student, teacher), data, _ = _collect(tmp_path, monkeypatch)
     assert no_cache_kwargs(student) == {"use_cache": False} and no_cache_kwargs(torch.nn.Linear(2, 2)) == {}
@@ -91,7 +95,7 @@ def test_scoring_and_training_forwards_build_no_kv_cache(tmp_path, monkeypatch):
              student.register_forward_hook(lambda m, a, out: caches.append(("student", out.past_key_values)))]
     try:
         scores = score_teacher(teacher, data.input_ids, data.attention_mask, k=4)
-        train_step(student, torch.optim.SGD(student.parameters(), lr=0.0), data, method="on_policy",
+        train_step(student, torch.optim.SGD(student.parameters(), lr=0.0), data,
                    loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=None)
     finally:
         for h in hooks:

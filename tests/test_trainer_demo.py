@@ -5,8 +5,8 @@ import pytest
 
 from opdistill.demo import run_demo
 from opdistill.models import load_model
-from opdistill.train.loop import resolve_model_path
-from opdistill.train.stats import paired_difference
+from opdistill.models import resolve_model_path
+from opdistill.runs.stats import paired_difference
 
 
 def test_packaged_demo_models_are_small_and_load():

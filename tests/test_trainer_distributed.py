@@ -34,7 +34,7 @@ from opdistill.data import CARRY_ADD_CHARS
 from opdistill.errors import ConfigError
 from opdistill.train import loop
 from opdistill.train.config import load_config
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 from tests.distributed_trainer import record_rollouts
 from tests.parallel_launch import launch
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
@@ -628,16 +628,15 @@ def test_a_one_process_group_made_by_someone_else_trains_as_one_process(tmp_path
 
 def test_a_sharded_teacher_needs_a_held_out_problem_on_every_rank():
     """A rank with no held-out problem would skip its teacher forwards while the others wait on its gathers."""
-    from opdistill.train.distributed import DistContext
-    from opdistill.train.sharded_teacher import check_held_out
+    from opdistill.train.preflight import check_held_out
 
     cfg = _tp_config(model={"student": "s", "teacher": "t", "teacher_sharded": True})
-    ctx = DistContext(rank=0, world=4, strategy="fsdp2", group=object())
+    layout = dict(world=4, dp=4)
     with pytest.raises(ConfigError) as e:
-        check_held_out(ctx, cfg, 3)
+        check_held_out(cfg, 3, **layout)
     assert str(e.value) == ("eval.num_prompts: the held-out set has 3 problem(s), fewer than the 4 data-parallel "
                             "ranks; with model.teacher_sharded every rank evaluates at least one (add held-out rows, "
                             "or set eval.num_prompts=0)")
-    check_held_out(ctx, cfg, 4)  # one each
-    check_held_out(ctx, cfg, 0)  # no evaluation at all
-    check_held_out(ctx, _tp_config(), 3)  # a replicated teacher: a rank with no problem just reports zeros
+    check_held_out(cfg, 4, **layout)  # one each
+    check_held_out(cfg, 0, **layout)  # no evaluation at all
+    check_held_out(_tp_config(), 3, **layout)  # a replicated teacher: a rank with no problem just reports zeros

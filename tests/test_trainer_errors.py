@@ -328,7 +328,7 @@ def test_cli_process_exit_code_and_stderr(cfg_file):
 
 def test_cli_score_sampled_logprobs_are_the_next_tokens(cfg_file, tmp_path):
     """`opdistill score` aligns with shift_for_next_token: row t holds the teacher's log-prob of token t+1."""
-    from opdistill.teacher import load_cache
+    from opdistill.teachers import load_cache
 
     cache = tmp_path / "c.safetensors"
     assert main(["score", "--config", str(cfg_file), "--out", str(cache), "--num-prompts", "2"]) == 0

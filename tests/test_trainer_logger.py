@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from opdistill.train.logger import RunLogger, read_metrics
+from opdistill.runs.files import read_metrics
+from opdistill.train.logger import RunLogger
 
 pytest.importorskip("tensorboard", reason="tensorboard (the [tensorboard] extra) is not installed")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from opdistill.train.config import load_config
-from opdistill.train.logger import PROGRESS_KEYS, read_metrics
+from opdistill.runs.files import read_metrics
+from opdistill.train.logger import PROGRESS_KEYS
 from opdistill.train.loop import run_training
-from opdistill.train.plot import PANELS, plot_run
+from opdistill.runs.plot import PANELS, plot_run
 from tests.trainer_helpers import tiny_config_dict
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"

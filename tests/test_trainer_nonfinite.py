@@ -6,12 +6,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from opdistill import DistillationConfig, DistillationLoss, TeacherTopK
+from opdistill import DistillationConfig, DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.cli import main
 from opdistill.models import load_model
-from opdistill.train import loop
 from opdistill.train.checkpoint import list_checkpoints, verify_checkpoint
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 from opdistill.train.step import StepData, train_step
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
@@ -37,6 +36,9 @@ class _InfLoss:
     def __init__(self, inner):
         self.inner, self.config = inner, inner.config
 
+    def __getattr__(self, name):  # everything else is the wrapped loss's (signal, token_logprobs, ...)
+        return getattr(self.inner, name)
+
     def __call__(self, *args, **kwargs):
         loss, metrics = self.inner(*args, **kwargs)
         return loss + float("inf"), metrics
@@ -53,9 +55,9 @@ def test_a_non_finite_step_is_not_applied(tmp_path, bad):
     resp[:, 2:] = 1
     t_ids = torch.rand(B, S, V, generator=g).argsort(-1)[..., :K]  # distinct ids per position
     t_lp = torch.log_softmax(torch.randn(B, S, K + 1, generator=g), -1)[..., :K].contiguous()
-    data = StepData(ids, torch.ones(B, S, dtype=torch.long), resp, teacher_topk=TeacherTopK(t_ids, t_lp))
+    data = StepData(ids, torch.ones(B, S, dtype=torch.long), resp, scores=TeacherScores(TeacherTopK(t_ids, t_lp)))
     loss_fn = DistillationLoss(DistillationConfig(loss_mode="topk", topk=K, support="tail", divergence="forward"))
-    step = dict(method="on_policy", micro_batch_tokens=64, grad_clip=1.0)
+    step = dict(micro_batch_tokens=64, grad_clip=1.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     if bad == "loss_inf":
         out = train_step(model, opt, data, loss_fn=_InfLoss(loss_fn), **step)
@@ -74,14 +76,16 @@ def test_a_non_finite_step_is_not_applied(tmp_path, bad):
 
 
 def test_overflow_mid_run_stops_with_exit_2_and_keeps_good_checkpoints(tmp_path, capsys, monkeypatch):
-    collect = loop._collect
+    from opdistill.train.collect import Collector
 
-    def poisoned(cfg, step, tok, student, *args, **kw):  # from step 3 on, a gradient overflows to NaN
+    collect = Collector.__call__
+
+    def poisoned(self, step, student):  # from step 3 on, a gradient overflows to NaN
         if step == 3:
             student.model.layers[0].mlp.up_proj.weight.register_hook(lambda gr: torch.full_like(gr, float("nan")))
-        return collect(cfg, step, tok, student, *args, **kw)
+        return collect(self, step, student)
 
-    monkeypatch.setattr(loop, "_collect", poisoned)
+    monkeypatch.setattr(Collector, "__call__", poisoned)
     cfg_file = _cfg_file(tmp_path, steps=10, eval={"num_prompts": 0}, checkpoint={"every": 1, "keep_last": 10})
     assert main(["train", "--config", str(cfg_file)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

@@ -8,7 +8,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 

@@ -8,8 +8,8 @@ import torch
 from opdistill import shift_for_next_token, token_logprobs
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
 from opdistill.models import build_tiny_llama, char_tokenizer
-from opdistill.rollout import generate_rollouts
-from opdistill.teacher import load_cache, save_cache, score_teacher
+from opdistill.engines.rollout import generate_rollouts
+from opdistill.teachers import load_cache, save_cache, score_teacher
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_teacher_scores_only_response_positions(setup, monkeypatch, row_chunk, t
     full-layout scorer's (bit for bit at the default chunking, the trainer's; with other chunkings the head GEMM
     runs on other row counts, whose rounding differs by an ulp, as it does between two chunkings of the full-layout
     scorer itself), and every other position holds an empty slot (top-k) or 0 (sampled)."""
-    import opdistill.teacher as teacher_mod
+    import opdistill.teachers.local as teacher_mod
 
     tok, model, prompts = setup
     ro = generate_rollouts(model, tok, prompts, n=2, max_new_tokens=10, seed=3, step=1)

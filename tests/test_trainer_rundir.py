@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from opdistill.cli import main
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 from opdistill.train.rundir import (RESUMABLE_KEYS, RunError, RunWarning, atomic_write_text, config_changes,
                                     open_nofollow, open_run_dir)
 from tests.trainer_helpers import tiny_config_dict
@@ -60,12 +59,12 @@ def test_fresh_train_on_a_run_is_refused_overwrite_replaces_it(cfg_file, tmp_pat
 
 
 def test_a_run_refused_at_start_up_leaves_no_run(cfg_file, tmp_path, monkeypatch):
-    from opdistill.train import loop
+    from opdistill.train import assemble
 
-    def broken(cfg):
+    def broken(cfg, tok=None):
         raise RuntimeError("model folder missing")
 
-    monkeypatch.setattr(loop, "load_models", broken)
+    monkeypatch.setattr(assemble, "load_models", broken)
     with pytest.raises(RuntimeError, match="model folder missing"):
         _train(cfg_file)
     run = tmp_path / "run"

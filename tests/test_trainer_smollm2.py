@@ -1,11 +1,10 @@
 """Slow: two on-policy distillation steps of SmolLM2-135M-Instruct into its first layers on gsm_symbolic."""
 import importlib.util
-import json
 
 import pytest
 
 from opdistill.train import load_config, run_training
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from opdistill import DistillationLoss
+from opdistill import DistillationLoss, PolicyGradientLoss
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
 from opdistill.models import build_tiny_llama, char_tokenizer
-from opdistill.rollout import generate_rollouts
-from opdistill.teacher import score_teacher
+from opdistill.engines.rollout import generate_rollouts
+from opdistill.teachers import score_teacher
 from opdistill.train.config import load_config
 from opdistill.train.step import StepData, group_advantages, token_budget_split, train_step
 from tests.conftest import ref_topk_objective
@@ -47,8 +47,8 @@ def _setup(dtype=torch.float64):
     targets[:, :-1] = ro.input_ids[:, 1:]
     sc = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=4, sampled_ids=targets)
     rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.num_rows)])
-    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sc.topk, sc.sampled_logprobs,
-                    ro.sampler_logprobs.to(dtype), group_advantages(rewards, ro.prompt_index).to(dtype))
+    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, sc, ro.sampler_logprobs.to(dtype),
+                    group_advantages(rewards, ro.prompt_index).to(dtype))
     return student, data
 
 
@@ -56,8 +56,8 @@ def _grads_after_step(student, data, budget, method, loss_cfg):
     model = type(student)(student.config).to(torch.float64)
     model.load_state_dict(student.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step keeps the weights; we compare gradients
-    loss_fn = DistillationLoss(loss_cfg) if method != "rl" else None
-    metrics = train_step(model, opt, data, method=method, loss_fn=loss_fn, micro_batch_tokens=budget, grad_clip=None)
+    loss_fn = DistillationLoss(loss_cfg) if method != "rl" else PolicyGradientLoss.from_config(loss_cfg)
+    metrics = train_step(model, opt, data, loss_fn=loss_fn, micro_batch_tokens=budget, grad_clip=None)
     return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
 
 
@@ -101,12 +101,12 @@ def test_bf16_autocast_step_runs_with_fp32_losses():
     mask = torch.zeros_like(data.response_mask, dtype=torch.bool)
     mask[:, :-1] = data.response_mask[:, 1:].bool()  # row t predicts token t + 1
     mask = mask[:, :L]
-    teacher = data.teacher_topk
+    teacher = data.scores.topk
     objective, per_token = ref_topk_objective(logits, teacher.ids[:, :L], teacher.logprobs[:, :L], mask, "tail",
                                               "reverse")
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
-    m = train_step(student, opt, data, method="on_policy", loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=10**6,
+    m = train_step(student, opt, data, loss_fn=DistillationLoss(cfg.loss), micro_batch_tokens=10**6,
                    grad_clip=1.0, bf16=True)
     assert all(math.isfinite(v) for v in m.values())
     assert m["train/micro_batches"] == 1 and m["train/response_tokens"] == int(mask.sum())
@@ -134,8 +134,8 @@ def test_fused_lm_head_step_equals_logits_step(method, loss):
         model = type(student)(student.config).to(torch.float64)
         model.load_state_dict(student.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        loss_fn = DistillationLoss(cfg.loss) if method != "rl" else None
-        m = train_step(model, opt, data, method=method, loss_fn=loss_fn, micro_batch_tokens=30, grad_clip=None,
+        loss_fn = DistillationLoss(cfg.loss) if method != "rl" else PolicyGradientLoss.from_config(cfg.loss)
+        m = train_step(model, opt, data, loss_fn=loss_fn, micro_batch_tokens=30, grad_clip=None,
                        fused_lm_head=fused)
         grads.append(({n: p.grad.clone() for n, p in model.named_parameters()}, m))
     (g0, m0), (g1, m1) = grads

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from opdistill.data import CarryAdditionTask, render_prompt
 from opdistill.models import load_model, load_tokenizer
-from opdistill.teacher import score_teacher
+from opdistill.teachers import Rows, ScoreRequest, TeacherError, score_teacher
 
 DEMO = "opdistill/assets/demo"
 LP_TOL = 1e-4  # measured max |vLLM - HF| log-prob on CPU float32: ~1e-5 (sampler and prompt log-probs)
@@ -148,7 +148,11 @@ def test_teacher_scores_equal_the_hf_scorer(demo, student_engine, teacher_engine
     targets = torch.zeros_like(ro.input_ids)
     targets[:, :-1] = ro.input_ids[:, 1:]
     hf = score_teacher(teacher, ro.input_ids, ro.attention_mask, k=k, sampled_ids=targets)
-    ev = teacher_engine.score(ro.input_ids, ro.attention_mask, k=k, sampled_ids=targets)
+    from opdistill.teachers.vllm import VllmTeacher
+
+    # every position that predicts a real token is scored: the response mask is the attention mask
+    ev = VllmTeacher(teacher_engine).score(Rows(ro.input_ids, ro.attention_mask, ro.attention_mask),
+                                           ScoreRequest(k=k, sampled=True))
     pos = torch.zeros_like(ro.attention_mask, dtype=torch.bool)
     pos[:, :-1] = ro.attention_mask[:, 1:].bool()  # every row that predicts a real token (prompt and response)
     assert (ev.topk.logprobs - hf.topk.logprobs)[pos].abs().max().item() < LP_TOL
@@ -165,12 +169,23 @@ def test_teacher_scores_equal_the_hf_scorer(demo, student_engine, teacher_engine
 
 
 @pytest.mark.vllm
-def test_teacher_refuses_sampled_ids_that_are_not_the_next_tokens(demo, teacher_engine):
+def test_teacher_refuses_what_vllm_cannot_score(demo, teacher_engine):
+    """Requested ids (vLLM returns its top-K and the actual token only), another temperature (prompt log-probs are
+    the raw logits'), left padding: one line each, before anything is sent."""
+    from opdistill.teachers.vllm import VllmTeacher
+
     tok, _, _, prompts = demo
     ids = torch.tensor([prompts[0]])
-    bad = torch.zeros_like(ids)
-    with pytest.raises(ValueError, match="^sampled_ids: the vllm teacher scores each row's own next tokens; row 0 "):
-        teacher_engine.score(ids, torch.ones_like(ids), sampled_ids=bad)
+    rows = Rows(ids, torch.ones_like(ids), torch.ones_like(ids))
+    teacher = VllmTeacher(teacher_engine)
+    with pytest.raises(TeacherError, match=r"^teacher\.engine vllm cannot score 1 rows x \d+ positions: requested ids"):
+        teacher.score(rows, ScoreRequest(k=2, requested_ids=torch.zeros(*ids.shape, 2, dtype=torch.long)))
+    with pytest.raises(TeacherError, match=r"^teacher\.engine vllm cannot score step 3: temperature 0\.5"):
+        teacher.score(rows, ScoreRequest(k=2, temperature=0.5, what="step 3"))
+    left = Rows(ids, torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.ones_like(ids[:, 1:])], 1),
+                torch.ones_like(ids))
+    with pytest.raises(TeacherError, match="rows must be right-padded"):
+        teacher.score(left, ScoreRequest(k=2))
 
 
 @pytest.mark.vllm
@@ -195,10 +210,15 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
     def fake_open(cfg, tok_, student_, resolve):
         assert cfg.rollout.engine == "vllm" and cfg.teacher.engine == "vllm"
         student_engine.push(student_)
-        return EngineSet(student=student_engine, teacher=teacher_engine,
+        return EngineSet(student=student_engine,
                          mismatch=dict(temperature=cfg.rollout.temperature, tis_cap=cfg.rollout.tis_cap))
 
-    monkeypatch.setattr(loop, "open_engines", fake_open)
+    from opdistill.teachers import build as build_mod
+    from opdistill.teachers.vllm import VllmTeacher
+    from opdistill.train import assemble
+
+    monkeypatch.setattr(assemble, "open_engines", fake_open)
+    monkeypatch.setattr(build_mod, "_vllm", lambda cfg, context: VllmTeacher(teacher_engine))
     monkeypatch.setattr(student_engine, "push", counting_push)
     monkeypatch.setattr(student_engine, "close", lambda: None)
     monkeypatch.setattr(teacher_engine, "close", lambda: None)

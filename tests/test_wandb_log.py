@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from opdistill.train import load_config, run_training
-from opdistill.train.logger import read_metrics
+from opdistill.runs.files import read_metrics
 from tests.trainer_helpers import tiny_config_dict
 
 
