@@ -7,7 +7,21 @@ types are also ``ValueError`` so library callers that catch ``ValueError`` keep 
 """
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RunError", "RunWarning"]
+import reprlib
+
+__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RunError", "RunWarning",
+           "quote"]
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 2, 4, 6, 6, 6
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+
+
+def quote(value, limit: int = 80) -> str:
+    """``repr(value)`` short enough for a one-line message: at most about ``limit`` characters (reprlib elides the
+    middle of long strings and the rest of long collections with ``...``), never the whole of a huge value."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class UserError(Exception):

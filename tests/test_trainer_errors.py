@@ -104,7 +104,7 @@ def test_config_file_errors_name_the_file(tmp_path):
     assert str(e.value) == f"{tmp_path / 'missing.yaml'}: cannot read the config file (No such file or directory)"
     with pytest.raises(ConfigError) as e:
         load_config(base=BASE, overrides=["optim.lr=[1"])
-    assert str(e.value) == "optim.lr: cannot read '[1' as a YAML value"
+    assert str(e.value) == "optim.lr: cannot read '[1' as a YAML value (expected ',' or ']', but got '<stream end>')"
 
 
 def test_every_user_error_is_one_type():

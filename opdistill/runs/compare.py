@@ -26,12 +26,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from opdistill.errors import UserError
 from opdistill.runs.files import flatten_config, read_metrics
 from opdistill.runs.stats import paired_change, paired_difference
 from opdistill.runs.values import METRICS, summarize, values_from_json
+from opdistill.yaml12 import load_yaml
 
 __all__ = ["DEFAULT_METRICS", "Run", "Group", "load_runs", "group_runs", "format_table", "metric_sums",
            "change_table", "difference_table", "plot_groups", "compare"]
@@ -100,7 +99,7 @@ def load_runs(run_dirs) -> list[Run]:
             raise CompareError(f"{path}: no metrics.jsonl (expected a run directory written by opdistill train)")
         config = None
         if (path / "config.yaml").is_file():
-            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            config = load_yaml((path / "config.yaml").read_text()) or {}
         seed = flatten_config(config).get("train.seed") if config is not None else None
         runs.append(Run(path, config, read_metrics(path), seed))
     return runs

@@ -24,7 +24,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from opdistill import DistillationConfig
-from opdistill.errors import ConfigError
+from opdistill.errors import ConfigError, quote
+from opdistill.yaml12 import load_yaml
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
            "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "NamedTeacher",
@@ -95,14 +96,14 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _rules(self):
         if self.task == "dataset" and not self.path:
-            raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {self.path!r}")
+            raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {quote(self.path)}")
         for key in ("eval_path", "eval_split", "eval_fraction"):
             if getattr(self, key) is not None and self.task != "dataset":
                 raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
-                                  f"problems), got {getattr(self, key)!r} with data.task {self.task!r}")
+                                  f"problems), got {quote(getattr(self, key))} with data.task {quote(self.task)}")
         if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
             raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
-                              f"held-out rows, got {self.eval_fraction!r}")
+                              f"held-out rows, got {quote(self.eval_fraction)}")
         return self
 
 
@@ -146,7 +147,7 @@ class OptimConfig(_Section):
     def _lr_fits(self):
         if self.lr > FLOAT32_MAX:  # was a RuntimeError ("cannot be converted ... without overflow") in the first step
             raise ConfigError(f"optim.lr: expected a number > 0 that float32 weights can hold (at most {FLOAT32_MAX:.4g}),"
-                              f" got {self.lr!r}")
+                              f" got {quote(self.lr)}")
         return self
 
 
@@ -232,7 +233,7 @@ class TeacherConfig(_Section):
     @model_validator(mode="after")
     def _url(self):
         if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"teacher.url: expected http://host:port or https://host:port, got {self.url!r}")
+            raise ConfigError(f"teacher.url: expected http://host:port or https://host:port, got {quote(self.url)}")
         return self
 
 
@@ -247,8 +248,8 @@ class NamedTeacher(TeacherConfig):
     @model_validator(mode="after")
     def _url(self):
         if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"teachers: url of teacher {self.name!r}: expected http://host:port or "
-                              f"https://host:port, got {self.url!r}")
+            raise ConfigError(f"teachers: url of teacher {quote(self.name)}: expected http://host:port or "
+                              f"https://host:port, got {quote(self.url)}")
         return self
 
 
@@ -283,7 +284,7 @@ class TrainerConfig(_Section):
 
         def need(cond: bool, key: str, expected: str, value: Any) -> None:
             if not cond:
-                raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+                raise ConfigError(f"{key}: expected {expected}, got {quote(value)}")
 
         need(bool(self.run_dir.strip()), "run_dir", "a folder path (an empty one would be the current folder)",
              self.run_dir)
@@ -339,7 +340,7 @@ class TrainerConfig(_Section):
             need(self.teachers is None, no, "false with teachers (named teachers are replicated on every rank; only "
                  "model.teacher can be sharded)", True)
             need(self.model.teacher not in (None, "self"), no, "false without a teacher model folder (model.teacher "
-                 f"is {self.model.teacher!r})", True)
+                 f"is {quote(self.model.teacher)})", True)
             need(method != "off_policy", no, "false with train.method off_policy (the teacher decodes the samples, and "
                  "a sharded teacher must run the same forwards on every rank)", True)
         if lc.use_task_rewards:
@@ -353,7 +354,7 @@ class TrainerConfig(_Section):
         if ts is None:
             if rt is not None:
                 raise ConfigError("routing: expected null without teachers (routing picks one of the named teachers), "
-                                  f"got {rt.model_dump()!r}")
+                                  f"got {quote(rt.model_dump())}")
             return self
         if not ts:
             raise ConfigError("teachers: expected a list of at least one {name, path | url} teacher, got []")
@@ -363,66 +364,66 @@ class TrainerConfig(_Section):
                                  "the student is not cut from one of several teachers"),
                                 ("data.teacher_cache", self.data.teacher_cache, "a cache holds one teacher's scores")):
             if value is not None:
-                raise ConfigError(f"{key}: expected null when teachers is set ({why}), got {value!r}")
+                raise ConfigError(f"{key}: expected null when teachers is set ({why}), got {quote(value)}")
         if self.teacher.engine != "hf":
             raise ConfigError(f"teacher.engine: expected hf when teachers is set (named teachers score with hf in "
-                              f"process or over their url), got {self.teacher.engine!r}")
+                              f"process or over their url), got {quote(self.teacher.engine)}")
         if self.train.device != "cpu":
             raise ConfigError(f"train.device: expected cpu when teachers is set (named in-process teachers are not "
-                              f"placed on a GPU in this version), got {self.train.device!r}")
+                              f"placed on a GPU in this version), got {quote(self.train.device)}")
         if self.train.method != "on_policy":
             raise ConfigError(f"teachers: set only with train.method on_policy (off_policy samples are written by one "
-                              f"teacher; rl has no teacher), got train.method {self.train.method!r}")
+                              f"teacher; rl has no teacher), got train.method {quote(self.train.method)}")
         names = []
         for i, t in enumerate(ts):
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
                 raise ConfigError(f"teachers.{i}.name: expected letters, digits, '_', '-' or '.' (it names the metrics "
-                                  f"teacher/<name>/...), got {t.name!r}")
+                                  f"teacher/<name>/...), got {quote(t.name)}")
             if t.name in names:
-                raise ConfigError(f"teachers.{i}.name: duplicate teacher name {t.name!r} (names must be unique)")
+                raise ConfigError(f"teachers.{i}.name: duplicate teacher name {quote(t.name)} (names must be unique)")
             names.append(t.name)
             if (t.path is None) == (t.url is None):
                 raise ConfigError(f"teachers.{i}: expected exactly one of path (a model folder, scored in process) or "
-                                  f"url (a teacher server) for teacher {t.name!r}, got "
+                                  f"url (a teacher server) for teacher {quote(t.name)}, got "
                                   f"{'both' if t.path is not None else 'neither'}")
             if t.path == "self":
                 raise ConfigError(f"teachers.{i}.path: expected a model folder, got 'self' (the LoRA self-teacher is "
                                   f"model.teacher: self, a single teacher)")
             if t.engine != "hf":
                 raise ConfigError(f"teachers.{i}.engine: expected hf (named teachers score with hf in process or over "
-                                  f"their url), got {t.engine!r}")
+                                  f"their url), got {quote(t.engine)}")
         if rt is None:
             raise ConfigError(f"routing: expected a routing section with teachers (routing.table: {{value: teacher "
                               f"name}}, routing.field, routing.default), got null (teachers: {names})")
         for value, name in rt.table.items():
             if not name:
-                raise ConfigError(f"routing.table.{value}: expected a teacher name (one of {names}), got {name!r}")
+                raise ConfigError(f"routing.table.{value}: expected a teacher name (one of {names}), got {quote(name)}")
             if name not in names:
-                raise ConfigError(f"routing.table.{value}: unknown teacher {name!r} (teachers: {names})")
+                raise ConfigError(f"routing.table.{value}: unknown teacher {quote(name)} (teachers: {names})")
         if rt.default is not None and rt.default not in names:
-            raise ConfigError(f"routing.default: unknown teacher {rt.default!r} (teachers: {names})")
+            raise ConfigError(f"routing.default: unknown teacher {quote(rt.default)} (teachers: {names})")
         if not rt.table and rt.default is None:
             raise ConfigError("routing.table: expected at least one value: teacher entry (or routing.default), got "
                               "nothing: no prompt would have a teacher")
         used = set(rt.table.values()) | {rt.default}
         for name in names:
             if name not in used:
-                raise ConfigError(f"teachers: teacher {name!r} gets no prompts (neither routing.table nor "
+                raise ConfigError(f"teachers: teacher {quote(name)} gets no prompts (neither routing.table nor "
                                   f"routing.default names it); route to it or remove it")
         if self.data.task != "dataset":  # generated tasks: the values are known now
             if rt.field != "task":
-                raise ConfigError(f"routing.field: expected 'task' with data.task {self.data.task!r} (a column name "
-                                  f"needs data.task dataset), got {rt.field!r}")
+                raise ConfigError(f"routing.field: expected 'task' with data.task {quote(self.data.task)} (a column "
+                                  f"name needs data.task dataset), got {quote(rt.field)}")
             tasks = self.data.task_args.get("tasks") if self.data.task == "mix" else {self.data.task: None}
             tasks = list(tasks) if isinstance(tasks, dict) else []
             for value in rt.table:
                 if value not in tasks:
-                    raise ConfigError(f"routing.table.{value}: no prompt has task {value!r} (the tasks of data.task "
-                                      f"{self.data.task!r}: {tasks})")
+                    raise ConfigError(f"routing.table.{value}: no prompt has task {quote(value)} (the tasks of "
+                                      f"data.task {quote(self.data.task)}: {tasks})")
             for value in tasks:
                 if value not in rt.table and rt.default is None:
-                    raise ConfigError(f"routing.table: task {value!r} has no teacher; add it to routing.table or set "
-                                      f"routing.default")
+                    raise ConfigError(f"routing.table: task {quote(value)} has no teacher; add it to routing.table or "
+                                      f"set routing.default")
         return self
 
 
@@ -493,55 +494,38 @@ def _one_line(err: ValidationError, root: type[BaseModel], prefix: tuple = ()) -
         return ConfigError(f"{key}: unknown key (known keys{' of ' + where if where else ''}: {list(section.model_fields)})")
     if len(loc) == len(prefix) or (field is not None and isinstance(field.annotation, type)
                                    and issubclass(field.annotation, BaseModel)):
-        return ConfigError(f"{key}: expected a mapping of {key}.* keys, got {e['input']!r}")
+        return ConfigError(f"{key}: expected a mapping of {key}.* keys, got {quote(e['input'])}")
     if cause is not None:
         return ConfigError(f"{key}: {cause}")
     expected = _expected(field) if field is not None else e["msg"].lower()
     if e["type"] == "finite_number":  # inf is "a number > 0": say what is wrong with it
         expected = expected.replace("a number", "a finite number", 1)
-    return ConfigError(f"{key}: expected {expected}, got {e['input']!r}")
+    return ConfigError(f"{key}: expected {expected}, got {quote(e['input'])}")
 
 
 def config_to_dict(cfg: TrainerConfig) -> dict:
     return cfg.model_dump()
 
 
-class _Yaml(yaml.SafeLoader):
-    """YAML with 1.2 number rules: ``1e-3`` and ``3e4`` are floats (PyYAML's 1.1 rules read them as strings), and
-    no duplicate keys (PyYAML keeps the last one without a word: a second ``optim:`` would replace the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
-                if key_node.value in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key_node.value!r}; only the "
-                                                            f"last one would count", key_node.start_mark)
-                seen.add(key_node.value)
-        return super().construct_mapping(node, deep)
-
-
-_Yaml.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                            list("-+0123456789"))
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict; returns a new dict."""
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML, by the rules of a config file: opdistill/yaml12.py) to
+    a nested dict; returns a new dict."""
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+            raise ConfigError(f"override {quote(item)}: expected dotted.key=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         node = out
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {p!r} is not a section")
+                raise ConfigError(f"{key}: {quote(p)} is not a section")
         try:
-            node[parts[-1]] = yaml.load(raw, Loader=_Yaml) if raw.strip() else None
-        except yaml.YAMLError:
-            raise ConfigError(f"{key}: cannot read {raw!r} as a YAML value") from None
+            node[parts[-1]] = load_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            why = getattr(e, "problem", None)
+            raise ConfigError(f"{key}: cannot read {quote(raw)} as a YAML value{f' ({why})' if why else ''}") from None
     return out
 
 
@@ -551,7 +535,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                loaded = yaml.load(f, Loader=_Yaml) or {}
+                loaded = load_yaml(f) or {}
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
         except UnicodeDecodeError as e:

@@ -25,10 +25,9 @@ import os
 import shutil
 from pathlib import Path
 
-import yaml
-
 from opdistill.errors import RunError, RunWarning
 from opdistill.runs.files import flatten_config, read_jsonl
+from opdistill.yaml12 import dump_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
@@ -176,7 +175,7 @@ class RunDir:
 
     def write_config(self, cfg_dict: dict) -> None:
         """The run's config, written once when a fresh run starts."""
-        atomic_write_text(self.config_path, yaml.safe_dump(cfg_dict, sort_keys=False))
+        atomic_write_text(self.config_path, dump_yaml(cfg_dict))  # reads back the same under YAML 1.1 and 1.2
 
     def effective_config(self, load) -> dict:
         """The run's config as last resumed: ``config.yaml`` (read through ``load``, so new schema keys get their
