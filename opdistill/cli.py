@@ -44,6 +44,22 @@ def _cmd_demo(args):
 
 
 def _cmd_eval(args):
+    from contextlib import ExitStack
+
+    from opdistill.runs.outputs import check_output_path, output_lock, write_output
+
+    outputs = [(flag, path) for flag, path in (("--out", args.out), ("--values", args.values)) if path]
+    if args.out and args.values and os.path.abspath(args.out) == os.path.abspath(args.values):
+        raise ConfigError(f"--values: {args.values} is also --out; give the report and the values two files")
+    for flag, path in outputs:  # before any work: an output in a run's entries, or one another process writes
+        check_output_path(path, flag)
+    with ExitStack() as stack:
+        for flag, path in outputs:
+            stack.enter_context(output_lock(path, flag))
+        _eval(args, write_output)
+
+
+def _eval(args, write_output):
     from pathlib import Path
 
     import torch
@@ -93,7 +109,7 @@ def _cmd_eval(args):
               "level": 0.95, "metrics": nest_intervals(metrics)}
     text = json.dumps(report, indent=1)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_output(args.out, text + "\n")
     print(text)
 
 
@@ -112,6 +128,16 @@ def _cmd_plot(args):
 
 
 def _cmd_score(args):
+    from opdistill.runs.outputs import check_output_path, output_lock
+
+    if os.path.isdir(args.out):
+        raise ConfigError(f"--out: {args.out} is a folder; give the cache file's path (e.g. {args.out}/cache.safetensors)")
+    check_output_path(args.out, "--out")
+    with output_lock(args.out, "--out"):
+        _score(args)
+
+
+def _score(args):
     import torch
 
     from opdistill.data import PromptSource, render_prompt
@@ -121,8 +147,6 @@ def _cmd_score(args):
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
 
-    if os.path.isdir(args.out):
-        raise ConfigError(f"--out: {args.out} is a folder; give the cache file's path (e.g. {args.out}/cache.safetensors)")
     cfg = load_config(args.config, args.overrides)
     check_model_folders(cfg)
     if cfg.train.threads:
@@ -179,6 +203,16 @@ def _int_at_least(lo: int):
         return value
 
     return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {value}")
+    return value
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -286,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scoring engine: hf (transformers, default) or vllm (vLLM in this process: temperature 1, "
                          "no requested ids; docs/teacher_service.md)")
     st.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    st.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    st.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     st.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     st.add_argument("--max-batch-tokens", type=int, default=65536,
                     help="merge concurrent requests up to this many rows x positions (default 65536)")
@@ -294,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refuse (413) a request above this many rows x positions (default 262144)")
     st.add_argument("--max-k", type=int, default=64, help="largest top-K a client may ask (default 64)")
     st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    st.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    st.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads (default: torch's)")
     st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off)")
     st.add_argument("--max-model-len", type=int, default=None,
                     help="vllm engine: the longest row it takes (default: the model's context length)")

@@ -28,7 +28,7 @@ LAYERS = [
     ["opdistill.teachers.sharded"],
     ["opdistill.teachers.build", "opdistill.teachers"],
     # a run's files read back (the trainer writes them in these formats)
-    ["opdistill.runs.stats", "opdistill.runs.files"],
+    ["opdistill.runs.stats", "opdistill.runs.files", "opdistill.runs.outputs"],
     ["opdistill.runs.values"],
     ["opdistill.runs.compare", "opdistill.runs.plot", "opdistill.runs"],
     # the trainer, bottom-up: parts, the step and what feeds it, the assembly, the loop

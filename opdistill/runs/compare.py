@@ -26,8 +26,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opdistill.errors import UserError
+from opdistill.errors import UserError, quote
 from opdistill.runs.files import flatten_config, read_metrics
+from opdistill.runs.outputs import check_image_path, check_output_path, output_lock, save_figure
 from opdistill.runs.stats import paired_change, paired_difference
 from opdistill.runs.values import METRICS, summarize, values_from_json
 from opdistill.yaml12 import load_yaml
@@ -74,10 +75,14 @@ class Run:
         return c[-1] if c else None
 
     def value_steps(self) -> list[int]:
-        """The steps whose per-problem evaluation values the run kept (RUN_DIR/eval/step_NNNNNN.json), in order."""
+        """The steps whose per-problem evaluation values the run kept (RUN_DIR/eval/step_NNNNNN.json), in order: only
+        those of evaluations metrics.jsonl still holds. A resume trims metrics.jsonl back to its checkpoint (and sets
+        the later values files aside); a values file of a step the run's history no longer has belongs to the
+        timeline the resume threw away, and is never read."""
         folder = self.path / "eval"
+        kept = {r["step"] for r in self.rows if any(k.startswith("eval/") for k in r)}
         steps = [int(m.group(1)) for p in folder.glob("step_*.json") if (m := re.fullmatch(r"step_(\d+)\.json", p.name))]
-        return sorted(steps)
+        return sorted(s for s in steps if s in kept)
 
     def values(self, step: int):
         if step not in self._values:
@@ -92,17 +97,55 @@ class Group:
 
 
 def load_runs(run_dirs) -> list[Run]:
-    runs = []
+    """The runs of ``run_dirs``, each read and checked (CompareError naming the file otherwise); a run given twice
+    (the same folder under two names) is refused: it would count as two seeds."""
+    runs, seen = [], {}
     for d in run_dirs:
         path = Path(d)
         if not (path / "metrics.jsonl").is_file():
             raise CompareError(f"{path}: no metrics.jsonl (expected a run directory written by opdistill train)")
+        same = seen.setdefault(path.resolve(), path)
+        if same is not path:
+            raise CompareError(f"{path}: the run is given twice ({same} and {path} are one folder); give each run "
+                               f"once (a run counted twice would pass for two seeds)")
         config = None
         if (path / "config.yaml").is_file():
-            config = load_yaml((path / "config.yaml").read_text()) or {}
+            config = _read_config(path / "config.yaml")
         seed = flatten_config(config).get("train.seed") if config is not None else None
-        runs.append(Run(path, config, read_metrics(path), seed))
+        runs.append(Run(path, config, _checked_rows(path / "metrics.jsonl", read_metrics(path)), seed))
     return runs
+
+
+def _read_config(path: Path) -> dict:
+    import yaml
+
+    try:
+        config = load_yaml(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CompareError(f"{path}: unreadable ({' '.join(str(getattr(e, 'problem', None) or e).split())}); "
+                           f"expected the config.yaml opdistill train wrote") from None
+    if not isinstance(config, dict):
+        raise CompareError(f"{path}: expected a YAML mapping, got {type(config).__name__}")
+    return config
+
+
+def _number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _checked_rows(path: Path, rows: list) -> list[dict]:
+    """metrics.jsonl's rows, each an object with an integer ``step`` >= 0 and numbers (or null) for its ``eval/``
+    and ``time/`` values (what compare reads): a list where a number belongs was a traceback from the table."""
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise CompareError(f"{path}: row {i} is {quote(row)}, expected an object (one metrics row per step)")
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CompareError(f"{path}: row {i}: 'step' is {quote(step)}, expected an integer >= 0")
+        for k, v in row.items():
+            if k.startswith(("eval/", "time/")) and not _number(v):
+                raise CompareError(f"{path}: row {i} (step {step}): {k!r} is {quote(v)}, expected a number or null")
+    return rows
 
 
 def _label(runs: list[Run]) -> str:
@@ -318,9 +361,7 @@ def plot_groups(groups: list[Group], metrics: list[str], out: str | Path, *, tit
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
 
@@ -330,6 +371,9 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     """Table (markdown) and PNG of the runs; returns {"table", "png", "groups": {label: [run dirs]}}."""
     if not run_dirs:
         raise CompareError("compare: expected at least one RUN_DIR")
+    out = Path(out) if out is not None else Path(run_dirs[0]) / "compare.png"
+    check_image_path(out, "--out")
+    check_output_path(out, "--out")
     runs = load_runs(run_dirs)
     base = read_values(baseline, f"--baseline {baseline}") if baseline is not None else None
     if base is not None:  # the shared start is every run's step-0 point when the run did not evaluate it itself
@@ -349,5 +393,6 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     if difference is not None:
         table += ("\n\nDifference from the first group at each step their runs evaluated (paired over problems, mean "
                   "over each group's seeds, 95% interval):\n\n" + difference)
-    png = plot_groups(groups, metrics, out if out is not None else Path(run_dirs[0]) / "compare.png", title=title)
+    with output_lock(out, "--out"):
+        png = plot_groups(groups, metrics, out, title=title)
     return {"table": table, "png": png, "groups": {g.label: [str(r.path) for r in g.runs] for g in groups}}

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from opdistill.errors import RunError
 from opdistill.runs.files import read_metrics
+from opdistill.runs.outputs import check_image_path, check_output_path, output_lock, save_figure
 
 __all__ = ["PANELS", "plot_run"]
 
@@ -21,6 +22,11 @@ PANELS = [
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """RUN_DIR's metrics as one figure, written to ``out`` (default RUN_DIR/metrics.png, the run's own plot; any other
+    run's entries are refused: ``opdistill.runs.outputs``)."""
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    check_image_path(out, "--out")
+    check_output_path(out, "--out", allow=(Path(run_dir) / "metrics.png",))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,7 +49,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ax.legend(fontsize=7)
     fig.suptitle(str(run_dir), fontsize=9)
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "metrics.png"
-    fig.savefig(out, dpi=110)
+    with output_lock(out, "--out"):
+        save_figure(fig, out, dpi=110)
     plt.close(fig)
     return out

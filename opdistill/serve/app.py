@@ -366,12 +366,18 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
     token = None
     if token_file is not None:
         try:
-            with open(token_file) as f:
-                token = f.read().strip()
+            with open(token_file, "rb") as f:
+                token = f.read().decode("utf-8").strip()
         except OSError as e:
             raise ServeError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ServeError(f"--token-file {token_file}: not UTF-8 text ({e.reason} at byte {e.start}); the token "
+                             f"is one line of text") from None
         if not token:
             raise ServeError(f"--token-file {token_file}: the file is empty")
+        if not all("!" <= c <= "~" for c in token):
+            raise ServeError(f"--token-file {token_file}: the token holds a space, a control or a non-ASCII character; "
+                             f"use printable ASCII only (it travels in an HTTP header)")
     check_bind(host, token)
     for name, v in (("--max-batch-tokens", max_batch_tokens), ("--max-request-tokens", max_request_tokens),
                     ("--max-k", max_k)):
@@ -380,7 +386,11 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
     check_engine(engine, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     if threads:
         torch.set_num_threads(threads)
-    path = resolve_model_path(model)
+    try:
+        path = resolve_model_path(model)
+    except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
+        raise ServeError(f"--model: {str(e).removeprefix('model: ')}") from None
+    check_port(host, port)  # before the model loads: a port in use was a uvicorn error after it
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code, key="--model")
     if engine == "vllm":
         fingerprint = teacher_fingerprint_from_folder(path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -406,6 +416,27 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         teacher.close()
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port outside [1, 65535] or one this host cannot bind now (in use, privileged), before anything loads
+    (a free port can still be taken before uvicorn binds it: then uvicorn's own error stops the server)."""
+    import socket
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ServeError(f"--port: expected a port number in [1, 65535], got {port!r}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: not an address this machine can bind ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ServeError(f"--port {port}: cannot bind {host}:{port} ({e.strerror}); choose another --port, or stop "
+                             f"what holds it") from None
 
 
 def check_engine(engine: str, *, dtype: str, max_model_len: int | None = None,

@@ -51,12 +51,19 @@ class HttpClient:
         headers = dict(headers or {})
         if token_file is not None:
             try:
-                token = Path(token_file).read_text().strip()
+                token = Path(token_file).read_bytes().decode("utf-8").strip()
             except OSError as e:
                 raise TeacherServiceError(f"teacher.token_file={token_file!r}: cannot read the token file "
                                           f"({e.strerror})") from None
+            except UnicodeDecodeError as e:
+                raise TeacherServiceError(f"teacher.token_file={token_file!r}: not UTF-8 text ({e.reason} at byte "
+                                          f"{e.start}); the token is one line of text") from None
             if not token:
                 raise TeacherServiceError(f"teacher.token_file={token_file!r}: the token file is empty")
+            if not all("!" <= c <= "~" for c in token):
+                raise TeacherServiceError(f"teacher.token_file={token_file!r}: the token holds a space, a control or "
+                                          f"a non-ASCII character; use printable ASCII only (it travels in an HTTP "
+                                          f"header)")
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
         self.requests = 0

@@ -45,7 +45,8 @@ from opdistill.train.optim import build_optimizer
 from opdistill.train.placement import place_models, run_device
 from opdistill.train.preflight import (ModelInfo, check_before_loading, check_finite_model, check_finite_weights,
                                        check_loaded, check_model_folders, resolve_folder)
-from opdistill.train.rundir import RunDir, RunWarning, check_checkpoint_config, open_run_dir
+from opdistill.train.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
+                                    set_aside_evaluations)
 from opdistill.train.wandb_log import open_wandb
 
 __all__ = ["Run", "RunState", "assemble", "build_task", "load_models", "lr_lambda", "open_teacher_cache"]
@@ -250,6 +251,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
                           f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
                           f"step on differs from the original run's", RunWarning, stacklevel=3)
         set_aside_newer(rd.path, ckpt)
+        set_aside_evaluations(rd.path, int(ckpt.name.split("_")[1]))  # as metrics.jsonl is trimmed to the checkpoint
         return rd, ckpt
     except BaseException:
         rd.close()

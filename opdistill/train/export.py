@@ -3,7 +3,9 @@
 The folder holds ``model.safetensors`` (LoRA adapters merged into the base weights; no peft needed to load it),
 ``config.json``, ``generation_config.json`` and the tokenizer files: ``AutoModelForCausalLM.from_pretrained(DIR)``
 and vLLM load it as they load any Hugging Face model. The checkpoint is verified (manifest) before it is read; the
-folder is written into a temporary sibling and renamed into place, and an existing non-empty ``--out`` is refused.
+folder is written into a temporary sibling and renamed into place, and an existing non-empty ``--out`` is refused, as
+is an ``--out`` inside a run's entries (a checkpoint folder, ``eval/``, ...: the run's rotation would delete the
+export; ``opdistill.runs.outputs``) and an ``--out`` another process is exporting to (a file lock beside it).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from opdistill.errors import ConfigError
 from opdistill.models import resolve_model_path
+from opdistill.runs.outputs import check_output_path, output_lock
 from opdistill.train.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.config import load_config
 from opdistill.train.lora import apply_lora, merged_model
@@ -24,13 +27,24 @@ __all__ = ["export_run"]
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "latest") -> Path:
     """Write RUN_DIR's student at ``checkpoint`` (``latest``: the newest intact one; or a checkpoint folder) to
     ``out`` as a plain transformers folder; return its path."""
-    from opdistill.models import load_model, load_tokenizer, truncate_layers
-
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"RUN_DIR: '{run_dir}' holds no config.yaml (expected the run_dir of an opdistill train run)")
+    _check_out(out)
+    check_output_path(out, "--out")
+    with output_lock(out, "--out"):
+        _check_out(out)  # again, under the lock: another export may have finished in between
+        return _export(run_dir, out, checkpoint)
+
+
+def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out: '{out}' exists and is not an empty folder; choose a new folder")
+
+
+def _export(run_dir: Path, out: Path, checkpoint: str) -> Path:
+    from opdistill.models import load_model, load_tokenizer, truncate_layers
+
     cfg = load_config(run_dir / "config.yaml")
     if checkpoint == "latest":
         ckpt = resume_checkpoint(run_dir)

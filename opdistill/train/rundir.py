@@ -22,16 +22,19 @@ import datetime
 import fnmatch
 import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 from opdistill.errors import RunError, RunWarning
 from opdistill.runs.files import flatten_config, read_jsonl
+from opdistill.runs.outputs import LOCK_NAME as _LOCK, RUN_ENTRIES, owner_of
 from opdistill.yaml12 import dump_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl", "check_checkpoint_config", "flatten_config"]
+           "read_jsonl", "check_checkpoint_config", "flatten_config", "set_aside_evaluations"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -63,12 +66,6 @@ RESUMABLE_KEYS = (
     "teachers.*.backoff_s",
     "teachers.*.overlap",
 )
-
-# What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
-RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png",
-               "wandb", "eval")
-_LOCK = ".lock"
-
 
 class CheckpointError(RunError):
     """A checkpoint is missing, incomplete, corrupt (SHA-256 mismatch) or not in this version's format."""
@@ -268,13 +265,11 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
 def _check_not_nested(path: Path) -> None:
     """Refuse a ``run_dir`` inside an entry of another run (its ``checkpoints/``, a checkpoint folder, its
     ``tensorboard/``): that run's ``keep_last`` rotation or ``--overwrite`` would delete this one."""
-    resolved = path.resolve()
-    for entry in [resolved, *resolved.parents]:
-        owner = entry.parent
-        if entry.name in RUN_ENTRIES and entry != owner and any(
-                os.path.lexists(owner / n) for n in ("config.yaml", _LOCK)):
-            raise RunError(f"run_dir {path} is inside {entry}, which belongs to the run in {owner} (its rotation or "
-                           f"--overwrite would delete this run); choose a run_dir outside it")
+    found = owner_of(path)
+    if found is not None:
+        entry, owner = found
+        raise RunError(f"run_dir {path} is inside {entry}, which belongs to the run in {owner} (its rotation or "
+                       f"--overwrite would delete this run); choose a run_dir outside it")
 
 
 def _check_no_run_inside(path: Path, found: list[str]) -> None:
@@ -286,6 +281,30 @@ def _check_no_run_inside(path: Path, found: list[str]) -> None:
             if inner is not None:
                 raise RunError(f"--overwrite would delete {entry}, which holds another run ({inner.parent}); move "
                                f"that run out first, or choose another run_dir")
+
+
+def set_aside_evaluations(path: Path, step: int) -> list[Path]:
+    """A resume from checkpoint ``step`` trims metrics.jsonl to the steps <= ``step`` (``train/logger.py``); the
+    per-problem values of the evaluations after it (``eval/step_NNNNNN.json``) are renamed to
+    ``eval/.discarded-step_NNNNNN.json`` with it: they belong to the timeline the resume recomputes, and left in place
+    ``opdistill compare`` would pair the resumed run's start with an evaluation it never reached. Kept for
+    inspection, never read."""
+    folder = path / "eval"
+    check_not_symlink(folder)
+    moved = []
+    if not folder.is_dir():
+        return moved
+    for p in sorted(folder.glob("step_*.json")):
+        m = re.fullmatch(r"step_(\d+)\.json", p.name)
+        if m and int(m.group(1)) > step and not p.is_symlink():
+            dest = p.with_name(".discarded-" + p.name)
+            os.replace(p, dest)
+            moved.append(dest)
+    if moved:
+        warnings.warn(f"set aside the evaluations after step {step} (the resumed checkpoint): "
+                      f"{', '.join(p.name.removeprefix('.discarded-') for p in moved)} moved to {folder}/.discarded-*; "
+                      f"they belong to the timeline this resume recomputes", RunWarning, stacklevel=2)
+    return moved
 
 
 def check_checkpoint_config(ckpt: Path, new: dict) -> None:
