@@ -189,7 +189,8 @@ def _cmd_serve_teacher(args):
     serve(args.model, engine=args.engine, host=args.host, port=args.port, token_file=args.token_file,
           max_batch_tokens=args.max_batch_tokens, max_request_tokens=args.max_request_tokens, max_k=args.max_k,
           dtype=args.dtype, trust_remote_code=args.trust_remote_code, threads=args.threads,
-          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
 
 
 def _int_at_least(lo: int):
@@ -334,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vllm engine: the longest row it takes (default: the model's context length)")
     st.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="vllm engine on GPU: the share of GPU memory it takes (default 0.9)")
+    st.add_argument("--header-timeout-s", type=float, default=10.0,
+                    help="close a connection whose request head has not arrived in this many seconds (default 10)")
+    st.add_argument("--body-timeout-s", type=float, default=60.0,
+                    help="answer 408 to a request whose body has not arrived in this many seconds (default 60)")
     st.set_defaults(fn=_cmd_serve_teacher)
     return p
 

@@ -22,7 +22,7 @@ LAYERS = [
     ["opdistill.engines.vllm", "opdistill.engines"],
     # where teacher scores come from: the interface and the shared codecs, one class per source, the one choice
     ["opdistill.teachers.base", "opdistill.teachers.fingerprint", "opdistill.teachers.http", "opdistill.teachers.wire",
-     "opdistill.teachers.prompt_logprobs"],
+     "opdistill.teachers.prompt_logprobs", "opdistill.teachers.answers"],
     ["opdistill.teachers.local", "opdistill.teachers.cache", "opdistill.teachers.remote",
      "opdistill.teachers.stock_vllm", "opdistill.teachers.vllm", "opdistill.teachers.routed"],
     ["opdistill.teachers.sharded"],

@@ -4,7 +4,6 @@ One test (or a few) per numbered finding of the issue, named ``test_probe_N_...`
 (a silent wrong result, a hang, a lost export, a traceback) and now refuses early with one line naming what to fix.
 The later tests are the variations this round added (same classes, new inputs).
 """
-from __future__ import annotations
 
 import json
 import os
@@ -378,3 +377,388 @@ def test_probe_9_a_client_token_file_that_is_not_utf8_is_one_line(tmp_path):
     bad.write_text("tok en\n")  # a header cannot carry it as sent
     with pytest.raises(TeacherServiceError, match=r"the token holds a space, a control or a non-ASCII character"):
         RemoteTeacher("http://127.0.0.1:9", token_file=str(bad))
+
+
+# -- teacher servers: one in-process uvicorn per module, serving the tiny teacher and a broken stand-in -------------
+def _serve_in_thread(app, **config):
+    """``app`` on a free 127.0.0.1 port in a uvicorn thread; returns (url, stop)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.server_helpers import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.started
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+BROKEN = {"defect": None}  # which defect the stand-in server's next answers carry (set by each test)
+
+
+def _defective(result, defect: str):
+    """``result`` (a real ScoreResult) with one defect at scored position 1, slot 2."""
+    import numpy as np
+
+    ids, lp, nxt = result.topk_ids.copy(), result.topk_logprobs.copy(), result.next_logprobs.copy()
+    if defect == "id_out_of_vocab":
+        ids[1, 2] = 18
+    elif defect == "id_negative":
+        ids[1, 2] = -3
+    elif defect == "nan_logprob":
+        lp[1, 2] = np.nan
+    elif defect == "positive_logprob":
+        lp[1, 2] = 0.5
+    elif defect == "duplicate_id":
+        ids[1, 2] = ids[1, 0]
+    elif defect == "inf_next":
+        nxt[1] = np.inf
+    elif defect == "mass_above_one":
+        lp[1, :] = -0.01
+    elif defect == "short":
+        ids, lp, nxt = ids[:-1], lp[:-1], nxt[:-1]
+    return type(result)(ids, lp, nxt, result.requested_logprobs, result.temperature)
+
+
+@pytest.fixture(scope="module")
+def teacher_service(tmp_path_factory):
+    """(TeacherService of the tiny teacher, the tiny config dict)."""
+    pytest.importorskip("fastapi")
+    from opdistill.models import load_model, load_tokenizer
+    from opdistill.serve.app import TeacherService
+    from opdistill.teachers import LocalTeacher
+    from tests.trainer_helpers import tiny_config_dict
+
+    tmp = tmp_path_factory.mktemp("svc")
+    cfg = tiny_config_dict(tmp)
+    teacher = LocalTeacher(load_model(cfg["model"]["teacher"]).requires_grad_(False))
+    return TeacherService(teacher, load_tokenizer(cfg["model"]["teacher"]), model_id="tiny"), cfg
+
+
+@pytest.fixture(scope="module")
+def service(teacher_service):
+    """Our server (``create_app``, default limits) in a uvicorn thread: (url, config dict)."""
+    from opdistill.serve.app import create_app
+
+    svc, cfg = teacher_service
+    url, stop = _serve_in_thread(create_app(svc))
+    yield url, cfg
+    stop()
+
+
+@pytest.fixture(scope="module")
+def broken(teacher_service):
+    """A stand-in server: our /info, and /v1/score answers carrying the defect ``BROKEN["defect"]``: (url, cfg)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    from opdistill.serve.app import score_rows
+    from opdistill.teachers.wire import MEDIA_BINARY, MEDIA_JSON, _json_floats, encode_result, parse_accept
+
+    svc, cfg = teacher_service
+    app = FastAPI()
+
+    @app.get("/info")
+    def info():
+        return svc.info
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        body = await request.json()
+        r = score_rows(svc.teacher, *(torch.tensor(body[n]) for n in ("input_ids", "attention_mask", "response_mask")),
+                       k=body["k"], temperature=body["temperature"])
+        media, codec = parse_accept(request.headers.get("accept"))
+        r = _defective(r, BROKEN["defect"])
+        if media == MEDIA_JSON:  # written as json.dumps writes NaN/inf (not JSON, but Python reads it back)
+            payload = json.dumps({"model": "x", "temperature": r.temperature, "num_positions": len(r.next_logprobs),
+                                  "k": r.topk_ids.shape[1], "next_logprobs": _json_floats(r.next_logprobs),
+                                  "topk_ids": r.topk_ids.tolist(), "topk_logprobs": _json_floats(r.topk_logprobs)})
+            return Response(payload.encode(), media_type=MEDIA_JSON)
+        return Response(encode_result(r, media=media, codec=codec, vocab_size=svc.vocab_size),
+                        media_type=f"{MEDIA_BINARY};logprobs={codec}")
+
+    url, stop = _serve_in_thread(app)
+    yield url, cfg
+    stop()
+
+
+@pytest.fixture(scope="module")
+def strict_service(teacher_service):
+    """Our server with a 1 s head deadline and a 1 s body deadline (what ``serve-teacher --header-timeout-s 1
+    --body-timeout-s 1`` runs): its url."""
+    from opdistill.serve.app import create_app, header_deadline_protocol
+
+    svc, _ = teacher_service
+    url, stop = _serve_in_thread(create_app(svc, body_timeout_s=1.0), http=header_deadline_protocol(1.0))
+    yield url
+    stop()
+
+
+import torch  # noqa: E402  (the service fixture's stand-in builds tensors)
+
+
+def _rows():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]])
+    am = torch.ones(2, 6, dtype=torch.long)
+    rm = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    return ids, am, rm
+
+
+# -- 5. the client trusts the server's answers -> checked by a cache file's rules ------------------------------------
+@pytest.mark.parametrize("defect, payload, why", [
+    ("id_out_of_vocab", "fp32", "topk_ids holds 18 at [1, 2]; token ids must lie in [0, 18) (the teacher's "
+                                "vocabulary)"),
+    ("id_negative", "json", "topk_ids holds -3 at [1, 2]; token ids must lie in [0, 18) (the teacher's vocabulary)"),
+    ("nan_logprob", "fp32", "topk_logprobs holds nan at [1, 2]; log-probs must be finite or -inf"),
+    ("positive_logprob", "fp32", "topk_logprobs holds 0.5 at [1, 2]; log-probs must be <= 0 (tolerance 0.001)"),
+    ("duplicate_id", "fp32", "topk_ids names id {dup} twice at position 1; the ids of a position's top-k are "
+                             "distinct (its mass would count twice)"),
+    ("inf_next", "json", "next_logprobs holds inf at [1]; log-probs must be finite or -inf"),
+    ("mass_above_one", "fp32", "the top-k mass holds 3.9602 at [1]; a distribution's mass is at most 1 (+0.001 "
+                               "rounding)"),
+])
+def test_probe_5_every_answer_is_checked_like_a_cache_file(broken, defect, payload, why):
+    from opdistill.teachers import RemoteTeacher, Rows, ScoreRequest, TeacherServiceError
+
+    broken, cfg = broken
+    BROKEN["defect"] = defect
+    rows = Rows(*_rows())
+    with RemoteTeacher(broken, payload=payload, retries=0) as c:
+        c.fetch_info()
+        if "{dup}" in why:
+            BROKEN["defect"] = None
+            good = c.score_positions(*_rows(), k=4)
+            why = why.format(dup=int(good.topk_ids[1, 0]))
+            BROKEN["defect"] = defect
+        with pytest.raises(TeacherServiceError) as e:  # was: the scores passed on (a traceback in the loss, or NaN)
+            c.score(rows, ScoreRequest(k=4, sampled=True, what="step 1"))
+    assert str(e.value) == (f"teacher.url={broken}: POST /v1/score (step 1) answered invalid scores: {why}; the "
+                            f"server is broken or is not an opdistill teacher server (the rules of a teacher cache "
+                            f"file)")
+
+
+def test_probe_5_training_on_a_broken_server_stops_in_one_line(broken, tmp_path, capsys):
+    broken, cfg = broken
+    BROKEN["defect"] = "positive_logprob"
+    c = dict(cfg, run_dir=str(tmp_path / "run"), teacher={"url": broken, "retries": 0})
+    c["train"] = dict(cfg["train"], steps=1)
+    c["eval"] = dict(cfg["eval"], num_prompts=0)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(c))
+    assert main(["train", "--config", str(path)]) == 2  # was a ValueError traceback from the loss
+    line = _err(capsys)[-1]
+    assert re.fullmatch(rf"opdistill train: teacher service error: teacher\.url={re.escape(broken)}: POST /v1/score "
+                        rf"\(step 1: \d+ rows x \d+ positions\) answered invalid scores: topk_logprobs holds 0\.5 at "
+                        rf"\[1, 2\]; log-probs must be <= 0 \(tolerance 0\.001\); the server is broken or is not an "
+                        rf"opdistill teacher server \(the rules of a teacher cache file\)", line), line
+
+
+# -- 3. a server that trickles its answer: a deadline for the whole request ------------------------------------------
+def _trickle_server(interval_s: float = 0.2, total_s: float = 60.0):
+    """A raw HTTP server that answers every request with a 200 head, then one body byte every ``interval_s`` (never
+    idle long enough for a per-read timeout) for up to ``total_s``; returns (url, stop)."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.2)
+    stopped = threading.Event()
+
+    def handle(conn):
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1)) if b"ontent-length" in head else 0
+            while len(body) < length:
+                body += conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+                t0 = time.time()
+                while not stopped.is_set() and time.time() - t0 < total_s:
+                    conn.sendall(b" ")
+                    time.sleep(interval_s)
+            except OSError:  # the client gave up and closed the connection
+                pass
+
+    def serve():
+        while not stopped.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def stop():
+        stopped.set()
+        listener.close()
+
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", stop
+
+
+@pytest.mark.timeout(120)  # the old client waited for the whole trickle (here 60 s a try): this fails, not hangs
+def test_probe_3_a_trickling_server_hits_the_deadline_of_the_whole_request():
+    from opdistill.teachers import RemoteTeacher, TeacherServiceError
+
+    url, stop = _trickle_server()
+    try:
+        with RemoteTeacher(url, timeout_s=1.0, retries=1, backoff_s=0.0) as c:
+            with pytest.raises(TeacherServiceError) as e:
+                c.score_positions(*_rows(), k=4, what="step 1")
+    finally:
+        stop()
+    assert str(e.value) == (f"teacher.url={url}: POST /v1/score (step 1) failed after 2 tries (no complete answer "
+                            f"within teacher.timeout_s=1 s, the deadline of the whole request); start the teacher "
+                            f"server or fix teacher.url, then continue the run with --resume")
+
+
+@pytest.mark.timeout(120)
+def test_probe_3_the_deadline_names_a_named_teachers_key():
+    from opdistill.teachers.http import HttpClient, TeacherServiceError
+
+    url, stop = _trickle_server()
+    try:
+        client = HttpClient(url, timeout_s=0.5, retries=0, key="teachers.1.url")
+        with pytest.raises(TeacherServiceError, match=r"no complete answer within teachers\.1\.timeout_s=0\.5 s"):
+            client.request("GET", "/info", "server info")
+        client.close()
+    finally:
+        stop()
+
+
+def test_an_answer_above_the_size_bound_is_refused(service):
+    from opdistill.teachers.http import HttpClient, TeacherServiceError
+
+    url, _ = service
+    client = HttpClient(url, max_response_bytes=100, retries=3)
+    try:
+        with pytest.raises(TeacherServiceError) as e:
+            client.request("GET", "/info", "server info")
+    finally:
+        client.close()
+    assert re.fullmatch(rf"teacher\.url={re.escape(url)}: GET /info \(server info\) answered more than 100 bytes \(\d+ "
+                        rf"read\); the answer is refused \(a server of this size of request answers far less\)",
+                        str(e.value))
+
+
+# -- 6. the server answers garbage -> every row checked, nothing invalid sent ----------------------------------------
+def _post(url, body=None, content=None, headers=None):
+    import httpx
+
+    r = httpx.post(url + "/v1/score", json=body, content=content, headers=headers, timeout=30)
+    return r.status_code, (r.json().get("detail") if r.status_code >= 400 else r)
+
+
+GOOD = {"input_ids": [[1, 2, 3, 4], [4, 3, 2, 1], [1, 1, 2, 2]], "attention_mask": [[1, 1, 1, 1]] * 3,
+        "response_mask": [[0, 0, 1, 1]] * 3, "k": 2}
+
+
+@pytest.mark.parametrize("change, status, detail", [
+    # only row 0 was type-checked: 2.7 and 1.9 in row 2 were truncated and scored with 200
+    ({"input_ids": [[1, 2, 3, 4], [4, 3, 2, 1], [1, 2.7, 2, 2]]}, 400,
+     "input_ids: expected integers only, got 2.7 at row 2, position 1"),
+    ({"response_mask": [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1.9, 1]]}, 400,
+     "response_mask: expected integers only, got 1.9 at row 2, position 2"),
+    ({"attention_mask": [[1, 1, 1, 1], [1, 1, 1, 1], [1, True, 1, 1]]}, 400,
+     "attention_mask: expected integers only, got true at row 2, position 1"),
+    ({"input_ids": [[1, 2, 3, 4], [4, 3, 2, 1], [1, 1, 2, 2 ** 64]]}, 400,
+     "input_ids: expected integers only, got 18446744073709551616 at row 2, position 3"),
+    ({"input_ids": [[1, 2, 3, 4], [4, 3, 2, 1], [1, 1, 2, [2]]]}, 400,
+     "input_ids: expected integers only, got list at row 2, position 3"),
+    # 1e-300 divided the logits in float32 (0): 200 with NaN log-probs, which is not JSON
+    ({"temperature": 1e-300}, 422, "temperature: expected a number in [1.175e-38, 3.403e+38] (a float32 the logits "
+                                   "can be divided by), got 1e-300"),
+])
+def test_probe_6_every_row_and_value_of_a_request_is_checked(service, change, status, detail):
+    url, _ = service
+    assert _post(url, {**GOOD, **change}) == (status, detail)
+    assert _post(url, GOOD)[0] == 200  # still serving
+
+
+def test_probe_6_invalid_scores_are_never_sent(service):
+    """A temperature that still divides in float32 but overflows a larger model's logits (logits / 2e-38 is +inf
+    above |z| = 6.8) gives NaN log-probs; the server checks its answer by the client's rules first: 422 naming the
+    temperature (500 at temperature 1: a broken teacher), never a body with NaN (which is not JSON)."""
+    import numpy as np
+
+    from opdistill.serve.app import result_refusal
+    from opdistill.teachers.wire import ScoreResult, encode_result
+
+    url, _ = service
+    ids, am, rm = (torch.tensor(GOOD[n]) for n in ("input_ids", "attention_mask", "response_mask"))
+    parsed = {"input_ids": ids, "attention_mask": am, "response_mask": rm, "k": 2, "requested_ids": None}
+    nan = ScoreResult(np.array([[0, 1]] * 6), np.array([[np.nan, -1.0]] * 6, np.float32),  # 6 scored positions
+                      np.array([-1.0] * 6, np.float32), None, 2e-38)
+    assert result_refusal(nan, {**parsed, "temperature": 2e-38}, 18) == (
+        422, "temperature: the teacher's scores at temperature 2e-38 are not valid (topk_logprobs holds nan at "
+             "[0, 0]; log-probs must be finite or -inf); ask for a temperature its logits can be divided by")
+    assert result_refusal(nan, {**parsed, "temperature": 1.0}, 18) == (
+        500, "scoring produced invalid scores (topk_logprobs holds nan at [0, 0]; log-probs must be finite or -inf); "
+             "the teacher is broken")
+    with pytest.raises(ValueError):  # and the JSON codec cannot write a NaN any more
+        encode_result(nan, media="application/json", vocab_size=18)
+    status, r = _post(url, {**GOOD, "temperature": 1e-37}, headers={"Accept": "application/json"})
+    assert status == 200 and json.loads(r.content, parse_constant=lambda c: pytest.fail(f"{c} in the answer"))
+
+
+def test_probe_6_a_deeply_nested_body_gets_400_not_500(service):
+    url, _ = service
+    deep = b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert _post(url, content=deep, headers={"Content-Type": "application/json"}) == (
+        400, "the body is not valid JSON here (nested too deeply); a request is a flat object of lists of lists")
+
+
+def test_a_trickled_body_gets_408_and_trickled_headers_are_cut(strict_service):
+    import socket
+    import time
+
+    url = strict_service
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # the head, then a body that trickles
+        s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n"
+                  b"\r\n{")
+        answer = b""
+        t0 = time.time()
+        while b"\r\n\r\n" not in answer and time.time() - t0 < 30:
+            try:
+                s.settimeout(0.3)
+                answer += s.recv(65536)
+            except socket.timeout:
+                s.sendall(b" ")  # one byte each 0.3 s: never idle, never done
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # a head that never ends
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        closed_after = None
+        t0 = time.time()
+        while time.time() - t0 < 30:
+            try:
+                s.sendall(b"X-Slow: y\r\n")
+                s.settimeout(0.3)
+                if s.recv(65536) == b"":
+                    closed_after = time.time() - t0
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed_after = time.time() - t0
+                break
+    assert closed_after is not None  # cut by the 1 s head deadline (a per-read timeout never fired: bytes kept coming)

@@ -28,8 +28,15 @@ Design notes
   matmuls (tested to 1e-5).
 - Safety: binds 127.0.0.1 by default and refuses to start on any other address without a bearer token; the token is
   compared in constant time; bodies above ``max_body_bytes`` and requests above ``max_request_tokens`` get 413; a
-  malformed request gets 400/422 with a one-line message and the server keeps serving; the body is parsed as JSON
-  only (nothing is unpickled; weights load from safetensors only); ``trust_remote_code`` only when asked.
+  malformed request gets 400/422 with a one-line message and the server keeps serving (every value of every row is
+  checked: :func:`parse_request`); the body is parsed as JSON only (nothing is unpickled; weights load from
+  safetensors only); ``trust_remote_code`` only when asked.
+- Deadlines and bounds on the input (:func:`read_json_body`, :func:`header_deadline_protocol`): a connection's first
+  request head must arrive within ``--header-timeout-s`` (the connection is closed otherwise) and be at most
+  :data:`MAX_HEADER_BYTES`; the body must arrive within ``--body-timeout-s`` of the head (408); a body nested too deep
+  for the JSON parser gets 400. The answer is checked by the rules the client applies (:func:`result_refusal`,
+  ``opdistill.teachers.answers``) before it is sent: an answer the client would refuse is never sent (422 when the
+  request's temperature made it so).
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from opdistill.engines.vllm import INSTALL_HINT, VllmEngine, vllm_available
 from opdistill.errors import UserError
 from opdistill.models import resolve_model_path
 from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
+from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
 from opdistill.teachers.wire import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal, parse_accept,
                                      to_wire)
@@ -59,6 +67,8 @@ ENGINES = ("hf", "vllm")
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ServeError(UserError, ValueError):
@@ -143,6 +153,8 @@ class TeacherService:
 
 
 def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
+    """``body[name]`` as a ``[rows, width]`` int64 tensor, every value of every row checked (``torch.tensor`` would
+    truncate 2.7 to 2 and read true as 1)."""
     x = body.get(name)
     if not isinstance(x, list) or not x or not all(isinstance(r, list) for r in x):
         raise BadRequest(400, f"{name}: expected a non-empty list of lists of integers")
@@ -152,15 +164,33 @@ def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
                               f"on the padding)")
     if width == 0:
         raise BadRequest(400, f"{name}: rows are empty")
-    try:
-        t = torch.tensor(x, dtype=torch.long)
-    except (TypeError, ValueError, OverflowError, RuntimeError):
-        raise BadRequest(400, f"{name}: expected integers only") from None
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in x[0]):  # torch accepts floats/bools: refuse them
-        raise BadRequest(400, f"{name}: expected integers only")
+    bad = _first_non_int(x)
+    if bad is not None:
+        (b, t), v = bad
+        raise BadRequest(400, f"{name}: expected integers only, got {_short_json(v)} at row {b}, position {t}")
+    t = torch.tensor(x, dtype=torch.long)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise BadRequest(400, f"{name}: shape {list(t.shape)}, expected {list(shape)}")
     return t
+
+
+_INT64 = (-2 ** 63, 2 ** 63)
+
+
+def _first_non_int(rows: list):
+    """((row, position), value) of the first value of ``rows`` that is not an int64 integer (bools, floats, strings,
+    lists, integers beyond int64 are not), or None."""
+    lo, hi = _INT64
+    for b, row in enumerate(rows):
+        for t, v in enumerate(row):
+            if type(v) is not int or not lo <= v < hi:
+                return (b, t), v
+    return None
+
+
+def _short_json(v) -> str:
+    text = json.dumps(v) if not isinstance(v, (list, dict)) else type(v).__name__
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> dict:
@@ -191,6 +221,9 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise BadRequest(422, f"temperature: expected a finite number > 0, got {temperature!r}")
+    if not FLOAT32_TINY <= temperature <= FLOAT32_MAX:  # the logits are divided in float32: 1e-300 is 0 there
+        raise BadRequest(422, f"temperature: expected a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (a float32 "
+                              f"the logits can be divided by), got {temperature!r}")
     P = int(Rows(ids, am, rm).scored().sum())
     req = None
     if body.get("requested_ids") is not None:
@@ -236,8 +269,59 @@ def run_jobs(svc: TeacherService, jobs: list[_Job]) -> list[ScoreResult]:
     return out
 
 
+async def read_json_body(request: Request, *, max_body_bytes: int, timeout_s: float):
+    """The request's body parsed as JSON: at most ``max_body_bytes`` (413), all of it within ``timeout_s`` of the
+    headers (408: a client that trickles its body holds no worker for longer), and nesting no deeper than Python's
+    parser takes (400, not a 500 from a RecursionError)."""
+    try:
+        declared = int(request.headers.get("content-length", "0") or 0)
+    except ValueError:
+        raise BadRequest(400, "Content-Length: not an integer") from None
+    if declared > max_body_bytes:
+        raise BadRequest(413, f"body of {declared} bytes is above this server's limit of {max_body_bytes}; send "
+                              f"fewer rows")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise BadRequest(413, f"body above this server's limit of {max_body_bytes} bytes; send fewer rows")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(408, f"the body did not arrive within {timeout_s:g} s of the headers (this server's "
+                              f"--body-timeout-s); send it whole, or send fewer rows") from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(400, f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest(400, "the body is not valid JSON here (nested too deeply); a request is a flat object of "
+                              "lists of lists") from None
+
+
+def result_refusal(result: ScoreResult, parsed: dict, vocab_size: int) -> tuple[int, str] | None:
+    """(status, detail) when the scores break the rules the client checks (``opdistill.teachers.answers``: the
+    rules of a teacher cache file), else None: 422 when the request's temperature made them so (1e-30 turns the
+    logits into inf), 500 otherwise (a broken teacher)."""
+    rows = Rows(parsed["input_ids"], parsed["attention_mask"], parsed["response_mask"])
+    req = parsed["requested_ids"]
+    why = answer_problem(result, positions=int(rows.scored().sum()), k=parsed["k"], vocab_size=vocab_size,
+                         num_requested=None if req is None else int(req.shape[1]))
+    if why is None:
+        return None
+    if parsed["temperature"] != 1.0:
+        return 422, (f"temperature: the teacher's scores at temperature {parsed['temperature']!r} are not valid "
+                     f"({why}); ask for a temperature its logits can be divided by")
+    return 500, f"scoring produced invalid scores ({why}); the teacher is broken"
+
+
 def create_app(svc: TeacherService, *, token: str | None = None, max_batch_tokens: int = 65536,
-               max_request_tokens: int = 262144, max_body_bytes: int = 64 * 2 ** 20):
+               max_request_tokens: int = 262144, max_body_bytes: int = 64 * 2 ** 20, body_timeout_s: float = 60.0):
     """The FastAPI app serving ``svc`` (see the module notes)."""
     state: dict = {"requests": 0, "batches": 0}
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opdistill-teacher")
@@ -317,23 +401,9 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
         except ValueError as e:
             return JSONResponse({"detail": str(e)}, status_code=406)
         try:
-            declared = int(request.headers.get("content-length", "0") or 0)
-        except ValueError:
-            return JSONResponse({"detail": "Content-Length: not an integer"}, status_code=400)
-        if declared > max_body_bytes:
-            return JSONResponse({"detail": f"body of {declared} bytes is above this server's limit of "
-                                           f"{max_body_bytes}; send fewer rows"}, status_code=413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                return JSONResponse({"detail": f"body above this server's limit of {max_body_bytes} bytes; send "
-                                               f"fewer rows"}, status_code=413)
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            return JSONResponse({"detail": f"the body is not valid JSON ({e})"}, status_code=400)
+            body = await read_json_body(request, max_body_bytes=max_body_bytes, timeout_s=body_timeout_s)
+        except BadRequest as e:
+            return JSONResponse({"detail": str(e)}, status_code=e.status)
         try:
             parsed = parse_request(body, svc, max_request_tokens)
         except BadRequest as e:
@@ -347,16 +417,58 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {' '.join(str(e).split())}"},
                                 status_code=500)
         result.model = svc.model_id
+        refused = result_refusal(result, parsed, svc.vocab_size)
+        if refused is not None:  # never send what the client would refuse (a NaN is not even JSON)
+            return JSONResponse({"detail": refused[1]}, status_code=refused[0])
         payload = encode_result(result, media=media, codec=codec, vocab_size=svc.vocab_size)
         return Response(payload, media_type=media if media == MEDIA_JSON else f"{MEDIA_BINARY};logprobs={codec}")
 
     return app
 
 
+MAX_HEADER_BYTES = 16 * 1024  # the request line and headers together (h11's bound; a larger head gets 400)
+
+
+def header_deadline_protocol(timeout_s: float):
+    """uvicorn's h11 protocol with a deadline on a connection's first request head: a client that has not sent its
+    whole request line and headers within ``timeout_s`` of connecting is disconnected (uvicorn bounds the wait for
+    later requests on a kept-alive connection itself, with ``timeout_keep_alive``, but not this one: slowly
+    trickled headers would hold a connection open forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineH11(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_too_slow)
+
+        def handle_events(self):
+            super().handle_events()
+            if self.cycle is not None:  # a whole request head arrived
+                self._cancel_head_timer()
+
+        def connection_lost(self, exc):
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def _cancel_head_timer(self):
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self):
+            self._head_timer = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineH11
+
+
 def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int = 8000, token_file: str | None = None,
           max_batch_tokens: int = 65536, max_request_tokens: int = 262144, max_k: int = 64, dtype: str = "float32",
           trust_remote_code: bool = False, threads: int | None = None, max_model_len: int | None = None,
-          gpu_memory_utilization: float = 0.9, log_level: str = "warning") -> None:
+          gpu_memory_utilization: float = 0.9, log_level: str = "warning", header_timeout_s: float = 10.0,
+          body_timeout_s: float = 60.0) -> None:
     """Load the teacher (``engine`` hf: a transformers model; vllm: a vLLM engine in this process) and serve it until
     interrupted (``opdistill serve-teacher``). Call it under ``if __name__ == "__main__":`` (vLLM may spawn)."""
     import uvicorn
@@ -383,6 +495,9 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
                     ("--max-k", max_k)):
         if v < 1:
             raise ServeError(f"{name}: expected an integer >= 1, got {v}")
+    for name, v in (("--header-timeout-s", header_timeout_s), ("--body-timeout-s", body_timeout_s)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ServeError(f"{name}: expected a finite number of seconds > 0, got {v}")
     check_engine(engine, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     if threads:
         torch.set_num_threads(threads)
@@ -410,10 +525,12 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
         teacher = LocalTeacher(model_.requires_grad_(False), key="--model")
     try:
         svc = TeacherService(teacher, tok, model_id=model, max_k=max_k, fingerprint=fingerprint)
-        app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens)
+        app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens,
+                         body_timeout_s=body_timeout_s)
         print(f"opdistill serve-teacher: {model} ({engine} engine) on http://{host}:{port} (vocab {svc.vocab_size}, "
               f"max K {svc.max_k}, {'token required' if token else 'no token'})", flush=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, http=header_deadline_protocol(header_timeout_s),
+                    h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     finally:
         teacher.close()
 

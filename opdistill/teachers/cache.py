@@ -25,6 +25,7 @@ import torch
 
 from opdistill.errors import UserError
 from opdistill.loss import TeacherScores, TeacherTopK
+from opdistill.teachers.answers import LOGPROB_TOL  # a stored log-prob may exceed 0 by this much (one home)
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher
 from opdistill.teachers.fingerprint import (canonical_json, hash_tensors, opdistill_version, teacher_fingerprint,
                                             tokenizer_fingerprint)
@@ -34,8 +35,6 @@ __all__ = ["CACHE_FORMAT", "TeacherCacheError", "save_cache", "load_cache", "che
 CACHE_FORMAT = "opdistill-teacher-cache-v2"
 _FORMAT_PREFIX = "opdistill-teacher-cache-"
 _V1_FORMAT = _FORMAT_PREFIX + "v1"
-# A stored log-prob may exceed 0 by this much: fp32 log-softmax of a near-certain token, then fp16 rounding.
-LOGPROB_TOL = 1e-3
 _ROW_TENSORS = ("input_ids", "attention_mask", "response_mask")
 _KNOWN_TENSORS = _ROW_TENSORS + ("topk_ids", "topk_logprobs", "sampled_logprobs")
 _LOGPROB_DTYPES = {"float16": torch.float16, "float32": torch.float32}

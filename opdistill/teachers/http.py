@@ -1,11 +1,20 @@
-"""The HTTP client under every remote teacher (our server, a stock ``vllm serve``): bearer token, timeouts, retries.
+"""The HTTP client under every remote teacher (our server, a stock ``vllm serve``): bearer token, deadlines, retries.
 
-Connection failures, timeouts and 5xx answers are retried with exponential backoff (``backoff_s * 2**i`` before try
-i + 1) and then raise :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one line
-and exits 2) naming the server and the request. A 4xx answer is not retried: its message comes back in the error.
+- **A deadline per try, for the whole request.** ``timeout_s`` bounds each try from the first byte sent to the last
+  byte of the answer read: connecting, sending, waiting and reading together. httpx's own timeouts are per operation
+  (a server that trickles its answer a byte a second never trips a read timeout), so each try runs as a coroutine of
+  an ``httpx.AsyncClient`` on this client's event loop (one daemon thread) under ``asyncio.wait_for``, which cancels
+  it, and closes its connection, when the time is up. A try that outlives its deadline counts as a failed try.
+- **A bounded answer.** The body is read in chunks and refused above ``max_response_bytes`` (default 1 GiB).
+- Connection failures, deadlines and 5xx answers are retried with exponential backoff (``backoff_s * 2**i`` before
+  try i + 1), then raise :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one
+  line and exits 2) naming the server and the request. A 4xx answer is not retried: its message comes back in the
+  error. A request therefore ends within ``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds.
 """
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -36,18 +45,26 @@ def _detail(resp) -> str:
     return " ".join(resp.text.split())[:500] or "(empty body)"
 
 
+class _TooLarge(Exception):
+    pass
+
+
 class HttpClient:
     """``url``: http(s)://host:port (TLS by the scheme); ``token_file``: a file holding the bearer token;
-    ``timeout_s`` per request; ``retries`` after the first try; ``key``: the config key of the url, for messages;
-    ``headers``: sent with every request. Counts ``requests`` answered and ``bytes_received``."""
+    ``timeout_s``: the deadline of each try, the whole request (module notes); ``retries`` after the first try;
+    ``key``: the config key of the url, for messages; ``headers``: sent with every request; ``max_response_bytes``:
+    the largest answer read. Counts ``requests`` answered and ``bytes_received``."""
 
     def __init__(self, url: str, *, token_file: str | None = None, timeout_s: float = 60.0, retries: int = 3,
-                 backoff_s: float = 0.5, key: str = "teacher.url", headers: dict | None = None):
+                 backoff_s: float = 0.5, key: str = "teacher.url", headers: dict | None = None,
+                 max_response_bytes: int = 1 << 30):
         import httpx
 
         self.url = url.rstrip("/")
         self.key = key
+        self.timeout_s = float(timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
+        self.max_response_bytes = max_response_bytes
         headers = dict(headers or {})
         if token_file is not None:
             try:
@@ -65,12 +82,44 @@ class HttpClient:
                                           f"a non-ASCII character; use printable ASCII only (it travels in an HTTP "
                                           f"header)")
             headers["Authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="opdistill-http")
+        self._thread.start()
+        # per-operation timeouts as well (a connect that hangs fails at once rather than at the deadline's end)
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(self.timeout_s))
         self.requests = 0
         self.bytes_received = 0
 
     def where(self) -> str:
         return f"{self.key}={self.url}"
+
+    def _timeout_key(self) -> str:
+        return self.key.rsplit(".", 1)[0] + ".timeout_s"
+
+    async def _fetch(self, method: str, path: str, kw: dict):
+        """One try: the whole answer, read in chunks (at most ``max_response_bytes``), as an ``httpx.Response``."""
+        import httpx
+
+        async with self._client.stream(method, path, **kw) as resp:
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():  # decoded: a compressed answer counts at its decoded size
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    raise _TooLarge(size)
+                chunks.append(chunk)
+            headers = [(k, v) for k, v in resp.headers.multi_items()
+                       if k.lower() not in ("content-encoding", "content-length")]
+            return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks), request=resp.request)
+
+    def _try(self, method: str, path: str, kw: dict):
+        """One try under the deadline (module notes), run on this client's event loop."""
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._fetch(method, path, kw), self.timeout_s),
+                                               self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # an interrupt in the caller's thread: stop the request too
+            raise
 
     def request(self, method: str, path: str, what: str, **kw):
         """The answer of ``method path`` (``what``: the request in words), retried as the module notes say."""
@@ -81,10 +130,18 @@ class HttpClient:
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                resp = self._client.request(method, path, **kw)
-            except httpx.TransportError as e:  # connect/read errors and timeouts: retried
+                resp = self._try(method, path, kw)
+            except (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException):
+                last = (f"no complete answer within {self._timeout_key()}={self.timeout_s:g} s, the deadline of the "
+                        f"whole request")
+                continue
+            except httpx.TransportError as e:  # connect/read errors: retried
                 last = f"{type(e).__name__}: {' '.join(str(e).split()) or 'no answer'}"
                 continue
+            except _TooLarge as e:
+                raise TeacherServiceError(f"{self.where()}: {method} {path} ({what}) answered more than "
+                                          f"{self.max_response_bytes} bytes ({e.args[0]} read); the answer is refused "
+                                          f"(a server of this size of request answers far less)") from None
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {_detail(resp)}"
                 continue
@@ -99,7 +156,16 @@ class HttpClient:
                                   f"--resume")
 
     def close(self) -> None:
-        self._client.close()
+        if self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(10)
+        except Exception:  # noqa: BLE001 -- closing: the connections go with the loop anyway
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 class HttpTeacher(Teacher):

@@ -3,7 +3,8 @@
 It sends the padded rows as they are and reads the answer at the scored positions (``opdistill.teachers.wire``), so
 with the fp32 (or JSON) payload it returns the in-process teacher's scores bit for bit. At start
 (:meth:`RemoteTeacher.check_student`) the server's ``/info`` is checked against the student's tokenizer (the teacher
-cache's fingerprint: vocabulary, special tokens, chat template) and lm_head width, and refused with a diff. What the
+cache's fingerprint: vocabulary, special tokens, chat template) and lm_head width, and refused with a diff. Every
+answer is checked by a teacher cache file's rules before it is read (``opdistill.teachers.answers``). What the
 server's engine cannot answer (its limits in ``/info``) is refused before a request is sent
 (:func:`~opdistill.teachers.wire.engine_refusal`). Rows above the server's per-request token limit go in several
 requests.
@@ -15,6 +16,7 @@ import json
 import torch
 
 from opdistill.loss import TeacherScores
+from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.base import Rows, ScoreRequest
 from opdistill.teachers.fingerprint import TOKENIZER_FIELDS, tokenizer_fingerprint
 from opdistill.teachers.http import HttpClient, HttpTeacher, TeacherServiceError
@@ -47,10 +49,13 @@ class RemoteTeacher(HttpTeacher):
     def fetch_info(self) -> dict:
         resp = self.http.request("GET", "/info", "server info")
         try:
-            self.info = resp.json()
-        except ValueError:
-            raise TeacherServiceError(f"{self.http.where()}: GET /info answered something that is not JSON; is this "
-                                      f"an opdistill serve-teacher server?") from None
+            info = resp.json()
+        except (ValueError, RecursionError):
+            info = None
+        if not isinstance(info, dict):
+            raise TeacherServiceError(f"{self.http.where()}: GET /info answered something that is not a JSON object; "
+                                      f"is this an opdistill serve-teacher server?")
+        self.info = info
         return self.info
 
     def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
@@ -93,17 +98,29 @@ class RemoteTeacher(HttpTeacher):
                                  headers={"Content-Type": MEDIA_JSON})
         try:
             r = decode_result(resp.content, resp.headers.get("content-type", MEDIA_JSON))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered a malformed payload "
-                                      f"({e})") from None
+                                      f"({' '.join(str(e).split())[:300]})") from None
         P = int(Rows(input_ids, attention_mask, response_mask).scored().sum())
-        if r.next_logprobs.shape[0] != P or (k and (r.topk_ids is None or r.topk_ids.shape != (P, k))):
+        if r.next_logprobs.shape != (P,) or (k and (r.topk_ids is None or r.topk_ids.shape != (P, k))):
             raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered scores for "
-                                      f"{r.next_logprobs.shape[0]} positions, expected {P} (K={k})")
+                                      f"{r.next_logprobs.shape[0] if r.next_logprobs.ndim else 0} positions, expected "
+                                      f"{P} (K={k})")
         if r.temperature != float(temperature):
             raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) scored at temperature "
                                       f"{r.temperature}, asked {temperature}")
+        self._check_answer(r, what, positions=P, k=k,
+                           num_requested=None if requested_ids is None else int(requested_ids.shape[1]))
         return r
+
+    def _check_answer(self, r: ScoreResult, what: str, **request) -> None:
+        """Refuse an answer that breaks a teacher cache's rules (``opdistill.teachers.answers``), in one line."""
+        vocab = (self.info or {}).get("teacher_vocab_size")
+        why = answer_problem(r, vocab_size=vocab if isinstance(vocab, int) else None, **request)
+        if why:
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered invalid scores: {why}; "
+                                      f"the server is broken or is not an opdistill teacher server (the rules of a "
+                                      f"teacher cache file)")
 
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         """What :class:`~opdistill.teachers.local.LocalTeacher` returns (equal for the fp32 and JSON payloads)."""

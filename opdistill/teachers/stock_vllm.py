@@ -15,9 +15,11 @@ from __future__ import annotations
 import torch
 
 from opdistill.loss import TeacherScores
+from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.base import Rows, ScoreRequest
 from opdistill.teachers.http import HttpClient, HttpTeacher, TeacherServiceError
 from opdistill.teachers.prompt_logprobs import scores_from_prompt_logprobs
+from opdistill.teachers.wire import ScoreResult
 
 __all__ = ["StockVllmTeacher"]
 
@@ -33,6 +35,7 @@ class StockVllmTeacher(HttpTeacher):
                                key=key)
         self.url, self.key, self.model, self.background = self.http.url, key, model, overlap
         self.info: dict | None = None
+        self.vocab_size: int | None = None  # the student's lm_head width (check_student): ids must lie below it
 
     def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
         """Only the served model is checked (vLLM's API has no tokenizer fingerprint): ``teacher.model`` must be
@@ -51,6 +54,8 @@ class StockVllmTeacher(HttpTeacher):
             raise TeacherServiceError(f"{self.http.where()}: teacher.model={self.model!r} is not served (served: "
                                       f"{ids})")
         self.info = {"model": self.model, "served": ids}
+        if student is not None:
+            self.vocab_size = int(student.get_output_embeddings().weight.shape[0])
         return self.info
 
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
@@ -92,8 +97,27 @@ class StockVllmTeacher(HttpTeacher):
             def fail(b, t, found):
                 return ValueError(f"prompt {b}, position {t + 1}: {found} entries of rank <= {k}")
 
-            return scores_from_prompt_logprobs(rows, entries, k=k, sampled=request.sampled, fail=fail)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            scores = scores_from_prompt_logprobs(rows, entries, k=k, sampled=request.sampled, fail=fail)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError) as e:
             raise TeacherServiceError(f"{self.http.where()}: POST /v1/completions ({what}) answered no usable "
-                                      f"prompt_logprobs ({type(e).__name__}: {e}); is this a vllm serve endpoint "
-                                      f"(teacher.api=vllm) with --max-logprobs >= {k}?") from None
+                                      f"prompt_logprobs ({type(e).__name__}: {' '.join(str(e).split())[:300]}); is "
+                                      f"this a vllm serve endpoint (teacher.api=vllm) with --max-logprobs >= "
+                                      f"{k}?") from None
+        self._check_answer(rows, scores, k, what)
+        return scores
+
+    def _check_answer(self, rows: Rows, scores: TeacherScores, k: int | None, what: str) -> None:
+        """Refuse scores that break a teacher cache's rules at the scored positions (``opdistill.teachers.answers``):
+        ids outside the vocabulary, NaN or positive log-probs, an id twice, a mass above 1."""
+        keep = rows.scored()
+        top = scores.topk
+        sampled = scores.sampled_logprobs
+        answer = ScoreResult(None if top is None else top.ids[keep].numpy(),
+                             None if top is None else top.logprobs[keep].numpy(),
+                             (sampled[keep] if sampled is not None else torch.zeros(int(keep.sum()))).numpy(), None,
+                             1.0)
+        why = answer_problem(answer, positions=int(keep.sum()), k=k, num_requested=None, vocab_size=self.vocab_size)
+        if why:
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/completions ({what}) answered invalid "
+                                      f"prompt_logprobs: {why}; the server is broken or serves another model (the "
+                                      f"rules of a teacher cache file)")

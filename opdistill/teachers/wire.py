@@ -98,13 +98,35 @@ def _json_floats(a: np.ndarray):
         [None if v == -math.inf else v for v in out.tolist()]
 
 
+def _json_number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
 def _from_json_floats(x, name: str) -> np.ndarray:
+    """A JSON list (or list of lists) of numbers, null for -inf, as float32; anything else (a string, a bool, ragged
+    rows) is refused: numpy would read "1.5" or true as numbers."""
+    rows = x if isinstance(x, list) and x and isinstance(x[0], list) else None
+    flat = [v for row in rows for v in (row if isinstance(row, list) else [row])] if rows is not None else x
+    if not isinstance(flat, list) or not all(_json_number(v) for v in flat):
+        raise ValueError(f"{name}: expected numbers or null")
     try:
-        arr = np.array([[(-math.inf if v is None else v) for v in row] for row in x] if x and isinstance(x[0], list)
+        arr = np.array([[(-math.inf if v is None else v) for v in row] for row in x] if rows is not None
                        else [(-math.inf if v is None else v) for v in x], dtype=np.float64)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"{name}: expected numbers or null ({e})") from None
     return arr.astype(np.float32)
+
+
+def _from_json_ints(x, name: str) -> np.ndarray:
+    """A JSON list of lists of integers as int64; floats (2.7 would be truncated), bools, strings and integers
+    beyond int64 are refused."""
+    if not isinstance(x, list) or not all(isinstance(row, list) for row in x) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and -2 ** 63 <= v < 2 ** 63 for row in x for v in row):
+        raise ValueError(f"{name}: expected lists of integers")
+    try:
+        return np.array(x, dtype=np.int64)
+    except ValueError as e:  # ragged rows
+        raise ValueError(f"{name}: expected rows of one length ({e})") from None
 
 
 def _fp16_down(x: np.ndarray) -> np.ndarray:
@@ -179,7 +201,7 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
             body["topk_logprobs"] = _json_floats(r.topk_logprobs)
         if r.requested_logprobs is not None:
             body["requested_logprobs"] = _json_floats(r.requested_logprobs)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()  # NaN is not JSON: refuse it
     arrays: list[tuple[str, np.ndarray]] = []
     id_dtype = "<u2" if vocab_size <= 2 ** 16 else "<i4"
     head["logprobs"] = codec
@@ -228,7 +250,7 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
         d = json.loads(body)
         if not isinstance(d, dict) or "next_logprobs" not in d:
             raise ValueError("the JSON answer has no 'next_logprobs'")
-        ids = np.array(d["topk_ids"], dtype=np.int64) if d.get("topk_ids") is not None else None
+        ids = _from_json_ints(d["topk_ids"], "topk_ids") if d.get("topk_ids") is not None else None
         lp = _from_json_floats(d["topk_logprobs"], "topk_logprobs") if ids is not None else None
         if ids is not None and ids.size == 0:
             ids = ids.reshape(0, d.get("k") or 0)
