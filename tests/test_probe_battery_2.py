@@ -762,3 +762,42 @@ def test_a_trickled_body_gets_408_and_trickled_headers_are_cut(strict_service):
                 closed_after = time.time() - t0
                 break
     assert closed_after is not None  # cut by the 1 s head deadline (a per-read timeout never fired: bytes kept coming)
+
+
+# -- 1. ranks started with different configs -------------------------------------------------------------------------
+def _two_ranks(cfg_path, overrides: list[list[str]], timeout=300):
+    """Two ``python -m opdistill.cli train`` processes started by hand as ranks 0 and 1 of one gloo job (what a
+    user's launcher does), each with its own overrides; returns [(exit status, stderr)] by rank."""
+    import subprocess
+    import sys
+
+    from tests.server_helpers import free_port
+
+    port = free_port()
+    procs = []
+    for rank, extra in enumerate(overrides):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "opdistill.cli", "train", "--config", str(cfg_path),
+                                       *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        out.append((p.returncode, err))
+    return out
+
+
+def test_probe_1_ranks_with_different_configs_are_refused(tmp_path):
+    from tests.trainer_helpers import tiny_config_dict
+
+    cfg = tiny_config_dict(tmp_path, steps=1, data={"prompts_per_step": 4}, eval={"num_prompts": 0},
+                           checkpoint={"every": 0, "save_final": False})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    # was: both exit 0, config.yaml with rank 0's values, a step-1 loss that is neither config's
+    got = _two_ranks(path, [["optim.lr=0.01", "train.seed=0"], ["optim.lr=0.05", "train.seed=1"]])
+    line = ("distributed: rank 1 resolved another config than rank 0 (optim.lr 0.01 -> 0.05, train.seed 0 -> 1; ranks "
+            "that differ from rank 0: [1]); start every rank with the same config file and overrides")
+    for rank, (code, err) in enumerate(got):
+        assert (code, err.strip().splitlines()[-1:]) == (2, [f"opdistill train: [rank {rank}] config error: {line}"])
+    assert not (tmp_path / "run").exists()  # refused before the run directory was touched

@@ -444,6 +444,7 @@ def test_tp_prompt_shares_are_checked_against_the_data_parallel_size():
     env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     cfg = _tp_config(distributed={"tp_size": 2}, data={"prompts_per_step": 3})
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch("opdistill.train.distributed.agree_on_config"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=4), \
             mock.patch.object(dist, "get_rank", return_value=0), pytest.raises(ConfigError) as e:
@@ -559,7 +560,9 @@ def _init_at_world_2(cfg):
     from opdistill.train.distributed import init_distributed
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    # no real group: the ranks' config agreement (two collectives; tests/test_probe_battery_2.py) is skipped
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
+            mock.patch("opdistill.train.distributed.agree_on_config"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), \
             mock.patch.object(dist, "get_rank", return_value=0):

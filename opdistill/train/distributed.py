@@ -6,7 +6,8 @@ holds everything that differs between them (docs/distributed.md):
 - :func:`init_distributed` joins the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the
   environment; backend ``auto`` = nccl on CUDA (``train.device: cuda``), gloo on CPU), or reuses
   one already initialized; a plain process
-  gets a :class:`DistContext` of world size 1 with no group, and no collective ever runs.
+  gets a :class:`DistContext` of world size 1 with no group, and no collective ever runs. Before anything else every
+  rank must hold rank 0's resolved config (:func:`agree_on_config`: a hash broadcast, the diff on a mismatch).
 - Data parallelism: every rank owns a contiguous share of the step's prompts (``data.prompts_per_step`` must divide
   by the world size), so the ``rollout.n`` samples of a prompt (one GRPO group) stay on one rank. Sampling is keyed
   by (seed, step, global prompt index, sample index), so the same config draws the same samples at any world size.
@@ -24,25 +25,29 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from opdistill.errors import ConfigError, UserError
+from opdistill.errors import ConfigError, UserError, quote
 from opdistill.models import decoder_layers
+from opdistill.runs.files import flatten_config
+from opdistill.train.config import config_to_dict
 from opdistill.train.placement import run_device
 
-__all__ = ["DistContext", "PeerError", "init_distributed", "launched_by_torchrun", "resolve_backend",
-           "wrap_student"]
+__all__ = ["DistContext", "PeerError", "agree_on_config", "init_distributed", "launched_by_torchrun",
+           "resolve_backend", "wrap_student"]
 
 
-def broadcast_text(text: str | None, group) -> str | None:
-    """The group's first rank's ``text`` (or None) on every rank of ``group``, as UTF-8 bytes in two tensor
-    broadcasts (a length, -1 for None, then the bytes): no pickle between ranks (``broadcast_object_list`` unpickles
-    what it receives)."""
-    src = dist.get_global_rank(group, 0)
+def broadcast_text(text: str | None, group, src_index: int = 0) -> str | None:
+    """The ``text`` (or None) of the group's rank ``src_index`` (default its first) on every rank of ``group``, as
+    UTF-8 bytes in two tensor broadcasts (a length, -1 for None, then the bytes): no pickle between ranks
+    (``broadcast_object_list`` unpickles what it receives)."""
+    src = dist.get_global_rank(group, src_index)
     data = None if text is None else torch.tensor(list(text.encode()), dtype=torch.uint8)
     size = torch.tensor([-1 if data is None else data.numel()], dtype=torch.long)
     dist.broadcast(size, src=src, group=group)
@@ -52,6 +57,34 @@ def broadcast_text(text: str | None, group) -> str | None:
         data = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(data, src=src, group=group)
     return bytes(data.tolist()).decode()
+
+
+def agree_on_config(config: dict, group) -> None:
+    """Refuse a job whose ranks resolved different configs (a rank started by hand with other overrides, another
+    config file, another working copy): every rank would train on its own values while rank 0's config.yaml recorded
+    one of them. Rank 0's SHA-256 of the canonical JSON is broadcast, each rank's verdict all-reduced (two small
+    collectives when they agree); when one differs, the first differing rank's diff against rank 0 reaches every rank,
+    which all raise the same :class:`ConfigError` (no rank is left waiting at a later collective)."""
+    mine = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    digest = torch.tensor(list(hashlib.sha256(mine.encode()).digest()), dtype=torch.uint8)
+    first = digest.clone()
+    dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    differs = torch.zeros(world, dtype=torch.long)
+    differs[me] = int(not torch.equal(first, digest))
+    dist.all_reduce(differs, group=group)
+    bad = [r for r in range(world) if differs[r]]
+    if not bad:
+        return
+    reference = broadcast_text(mine, group)  # rank 0's config, to compute the diff
+    diff = None
+    if me == bad[0]:
+        a, b = flatten_config(json.loads(reference)), flatten_config(json.loads(mine))
+        diff = ", ".join(f"{k} {quote(a.get(k))} -> {quote(b.get(k))}" for k in sorted(set(a) | set(b))
+                         if a.get(k) != b.get(k))
+    diff = broadcast_text(diff, group, src_index=bad[0])
+    raise ConfigError(f"distributed: rank {bad[0]} resolved another config than rank 0 ({diff}; ranks that differ "
+                      f"from rank 0: {bad}); start every rank with the same config file and overrides")
 
 
 def launched_by_torchrun() -> bool:
@@ -223,6 +256,8 @@ def init_distributed(cfg) -> DistContext:
     ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, owns_group=owns)
     try:
         from opdistill.train.tensor_parallel import build_mesh, check_tp_config
+
+        agree_on_config(config_to_dict(cfg), dist.group.WORLD)  # before anything else reads the config
 
         dp = check_tp_config(cfg, world)  # the data-parallel size: world / distributed.tp_size
         pps = cfg.data.prompts_per_step
