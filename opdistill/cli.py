@@ -27,9 +27,15 @@ def _cmd_train(args):
     from opdistill.train import load_config, run_training
     from opdistill.train.preflight import check_model_folders
 
+    from opdistill.train.inputs import parse_accept_changed
+
+    accept = parse_accept_changed(args.accept_changed)
+    if accept and not args.resume:
+        raise ConfigError("--accept-changed: only with --resume (a fresh run records what it reads; a resumed one "
+                          "compares it)")
     cfg = load_config(args.config, args.overrides)
     check_model_folders(cfg)
-    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite, accept_changed=accept)
     if _rank() == 0:  # under torchrun, rank 0 alone reports
         print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
                       "final_eval": summary["final_eval"]}, indent=1))
@@ -73,7 +79,10 @@ def _eval(args, write_output):
     from opdistill.train.loop import build_task, load_models, run_eval
     from opdistill.train.preflight import check_against_models, check_model_folders
 
+    from opdistill.train.inputs import check_inputs, local_inputs, parse_accept_changed, remote_inputs
+
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
+    accept, run_dir = parse_accept_changed(args.accept_changed), None
     if config is None:  # opdistill eval RUN_DIR [overrides]: the run's resolved config, its newest checkpoint
         if not overrides or "=" in overrides[0]:
             raise ConfigError("eval: expected a RUN_DIR (a folder holding config.yaml) or --config FILE")
@@ -84,8 +93,12 @@ def _eval(args, write_output):
         overrides.insert(0, f"run_dir={run_dir}")
         if ckpt is None and (run_dir / "checkpoints").is_dir():
             ckpt = "latest"
+    if accept and run_dir is None:
+        raise ConfigError("--accept-changed: only with a RUN_DIR (the run whose record of its inputs is compared)")
     cfg = load_config(config, overrides)
     check_model_folders(cfg)
+    if run_dir is not None:  # the student, teacher and data files against the run's record (train/inputs.py)
+        check_inputs(run_dir, local_inputs(cfg), accept, what="eval")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     tok, student, teacher = load_models(cfg)
@@ -100,6 +113,8 @@ def _eval(args, write_output):
     teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
                                                  resolve=resolve_model_path), train=False)
     try:
+        if run_dir is not None:  # a teacher server against the run's record
+            check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
         metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out,
                            values_path=Path(args.values) if args.values else None)
     finally:
@@ -174,8 +189,10 @@ def _score(args):
 
 def _cmd_export(args):
     from opdistill.train.export import export_run
+    from opdistill.train.inputs import parse_accept_changed
 
-    print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint)}")
+    accept = parse_accept_changed(args.accept_changed)
+    print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint, accept_changed=accept)}")
 
 
 def _cmd_serve_teacher(args):
@@ -247,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML config file")
     t.add_argument("--resume", action="store_true", help="continue exactly from the run's newest intact checkpoint")
     t.add_argument("--overwrite", action="store_true", help="delete the run already in run_dir and start a new one")
+    t.add_argument("--accept-changed", action="append", default=None, metavar="NAMES",
+                   help="with --resume: input names (model.student, teacher, teachers.NAME, data.path, ...) whose "
+                        "change since the run started is accepted and recorded (repeatable or comma-separated; "
+                        "default: a change is refused with its diff)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     t.set_defaults(fn=_cmd_train)
 
@@ -270,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="also write the JSON report to this file")
     e.add_argument("--values", default=None,
                    help="also write the per-problem values (JSON) to this file, for paired comparisons")
+    e.add_argument("--accept-changed", action="append", default=None, metavar="NAMES",
+                   help="with RUN_DIR: input names whose change since the run started is accepted (default: refused "
+                        "with its diff)")
     e.add_argument("overrides", nargs="*", metavar="[RUN_DIR] overrides",
                    help="a run directory (without --config), then dotted.key=value overrides")
     e.set_defaults(fn=_cmd_eval)
@@ -311,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", default="latest",
                    help="'latest' (the newest intact checkpoint, default) or a checkpoint folder")
     x.add_argument("--out", required=True, help="output folder (new, or empty)")
+    x.add_argument("--accept-changed", action="append", default=None, metavar="NAMES",
+                   help="model.student: accept a student folder (a LoRA run's base) changed since the run started "
+                        "(default: refused with its diff)")
     x.set_defaults(fn=_cmd_export)
     st = sub.add_parser("serve-teacher", help="serve a teacher's scores over HTTP (trainers use teacher.url)",
                         description="Score rows for remote trainers: GET /health, GET /info, POST /v1/score (JSON "

@@ -21,6 +21,8 @@ def quote(value, limit: int = 80) -> str:
     """``repr(value)`` short enough for a one-line message: at most about ``limit`` characters (reprlib elides the
     middle of long strings and the rest of long collections with ``...``), never the whole of a huge value."""
     text = _REPR.repr(value)
+    if "..." not in text:  # nothing elided: the plain repr (reprlib sorts dict keys; repr keeps their order)
+        text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -801,3 +801,178 @@ def test_probe_1_ranks_with_different_configs_are_refused(tmp_path):
     for rank, (code, err) in enumerate(got):
         assert (code, err.strip().splitlines()[-1:]) == (2, [f"opdistill train: [rank {rank}] config error: {line}"])
     assert not (tmp_path / "run").exists()  # refused before the run directory was touched
+
+
+# -- 2. what a path or URL points to is fingerprinted; a change is refused with its diff ----------------------------
+def _edit_weight(folder, name="model.norm.weight"):
+    """Change one value of one tensor of a model folder in place (same names, shapes and size)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    w = load_file(str(path))
+    w[name][0] += 0.5
+    save_file(w, str(path), metadata={"format": "pt"})
+
+
+def _weights_sha(folder, dtype="float32"):
+    """The teacher-cache / server fingerprint of a folder's weights (what /info states), short."""
+    from opdistill.models import load_model
+    from opdistill.teachers.fingerprint import teacher_fingerprint
+
+    return teacher_fingerprint(load_model(folder, dtype=dtype))["teacher_weights_sha256"][:12]
+
+
+def _file_sha(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+@pytest.fixture()
+def data_run(tmp_path):
+    """A one-step run of an in-process teacher folder on a dataset file, checkpointed: (run, config path, teacher
+    folder, data file)."""
+    from opdistill.train.loop import run_training
+    from tests.trainer_helpers import tiny_config_dict
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(10, 16) for b in range(3)))
+    cfg = tiny_config_dict(tmp_path, steps=1, data={"task": "dataset", "path": str(data), "prompts_per_step": 3},
+                           eval={"num_prompts": 2}, checkpoint={"every": 1})
+    del cfg["data"]["task_args"]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_training(load_config(path), quiet=True)
+    return tmp_path / "run", path, tmp_path / "teacher", data
+
+
+def test_probe_2_a_teacher_folder_or_data_file_changed_under_a_run_is_refused(data_run, capsys):
+    run, cfg, teacher, data = data_run
+    before = (_weights_sha(teacher), _file_sha(data), data.stat().st_size)
+    metrics = (run / "metrics.jsonl").read_text()
+    _edit_weight(teacher)  # was: --resume continued on the new weights, exit 0
+    text = data.read_text()
+    data.write_text(text.replace("10+0=", "19+9="))  # rewritten in place: same size, other prompts
+    resume = ["train", "--config", str(cfg), "--resume", "train.steps=2"]
+    assert main(resume) == 2
+    diff = (f"teacher.weights_sha256 {before[0]!r} -> {_weights_sha(teacher)!r}, data.path.sha256 {before[1]!r} -> "
+            f"{_file_sha(data)!r}")
+    assert _err(capsys)[-1] == (f"opdistill train: run error: --resume: what run {run} reads has changed since it was "
+                                f"recorded: {diff}; give the run the inputs it started with, or name the changes to "
+                                f"accept them: --accept-changed teacher,data.path")
+    assert (run / "metrics.jsonl").read_text() == metrics  # refused before anything was written
+    assert main(["eval", str(run)]) == 2  # eval reads the same teacher and data
+    assert _err(capsys)[-1].startswith(f"opdistill eval: run error: eval: what run {run} reads has changed since it "
+                                       f"was recorded: {diff}; ")
+    assert main(resume + ["--accept-changed", "teacher"]) == 2  # both must be named
+    assert _err(capsys)[-1].endswith("--accept-changed data.path")
+    record = json.loads((run / "inputs.json").read_text())["inputs"]
+    assert set(record) == {"model.student", "teacher", "data.path"}
+    assert record["data.path"] == {"kind": "file", "source": str(data), "method": "sha256", "size": before[2],
+                                   "sha256": __import__("hashlib").sha256(text.encode()).hexdigest()}
+    assert main(resume + ["--accept-changed", "teacher,data.path"]) == 0  # named: accepted and recorded
+    rows = [json.loads(r) for r in (run / "config_history.jsonl").read_text().splitlines()]
+    inputs = [r["inputs"] for r in rows if "inputs" in r]
+    assert len(inputs) == 1 and sorted(inputs[0]) == ["data.path", "teacher"]
+    assert inputs[0]["teacher"]["from"]["weights_sha256"][:12] == before[0]
+    assert main(resume[:-1] + ["train.steps=3"]) == 0  # the next resume compares with the accepted inputs
+    assert main(["eval", str(run), "eval.num_prompts=2"]) == 0
+
+
+def test_probe_2_accept_changed_names_inputs_and_needs_resume(data_run, capsys):
+    run, cfg, _, _ = data_run
+    assert main(["train", "--config", str(cfg), "--resume", "--accept-changed", "teachr"]) == 2
+    assert _err(capsys)[-1] == (f"opdistill train: run error: --accept-changed: 'teachr' is not an input of run {run} "
+                                f"(its inputs: data.path, model.student, teacher)")
+    assert main(["train", "--config", str(cfg), "--overwrite", "--accept-changed", "teacher"]) == 2
+    assert _err(capsys)[-1] == ("opdistill train: config error: --accept-changed: only with --resume (a fresh run "
+                                "records what it reads; a resumed one compares it)")
+
+
+def test_probe_2_a_lora_runs_base_edited_is_refused_by_resume_and_export(tmp_path, capsys):
+    pytest.importorskip("peft")
+    from opdistill.train.loop import run_training
+    from tests.trainer_helpers import tiny_config_dict
+
+    cfg = tiny_config_dict(tmp_path, steps=1, eval={"num_prompts": 0}, checkpoint={"every": 1})
+    cfg["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_training(load_config(path), quiet=True)
+    run, student = tmp_path / "run", tmp_path / "student"
+    before = _weights_sha(student)
+    _edit_weight(student)  # the base the adapters sit on: was resumed on, and merged into by export
+    diff = f"model.student.weights_sha256 {before!r} -> {_weights_sha(student)!r}"
+    assert main(["train", "--config", str(path), "--resume", "train.steps=2"]) == 2
+    assert _err(capsys)[-1] == (f"opdistill train: run error: --resume: what run {run} reads has changed since it was "
+                                f"recorded: {diff}; give the run the inputs it started with, or name the changes to "
+                                f"accept them: --accept-changed model.student")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    assert _err(capsys)[-1] == (f"opdistill export: run error: export: what run {run} reads has changed since it was "
+                                f"recorded: {diff}; give the run the inputs it started with, or name the changes to "
+                                f"accept them: --accept-changed model.student")
+    assert not out.exists()
+    assert main(["export", str(run), "--out", str(out), "--accept-changed", "model.student"]) == 0
+
+
+def test_probe_2_a_teacher_server_serving_another_model_is_refused(service, teacher_service, tmp_path, capsys):
+    """A run started on our server, resumed with teacher.url at a server of another model (its /info weights hash was
+    never recorded); the server of the same model the run started with compares equal even in process."""
+    import httpx
+
+    from opdistill.models import load_model, load_tokenizer
+    from opdistill.serve.app import TeacherService, create_app
+    from opdistill.teachers import LocalTeacher
+    from opdistill.train.loop import run_training
+    from tests.trainer_helpers import make_model_dir
+
+    url, cfg = service
+    c = dict(cfg, run_dir=str(tmp_path / "run"), teacher={"url": url})
+    c["train"] = dict(cfg["train"], steps=1)
+    c["eval"] = dict(cfg["eval"], num_prompts=0)
+    c["checkpoint"] = {"every": 1}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(c))
+    run_training(load_config(path), quiet=True)
+    other = make_model_dir(tmp_path / "other_teacher", hidden=32, layers=2, seed=7)  # same tokenizer, other weights
+    svc = TeacherService(LocalTeacher(load_model(other)), load_tokenizer(other), model_id="other")
+    other_url, stop = _serve_in_thread(create_app(svc))
+    try:
+        assert main(["train", "--config", str(path), "--resume", "train.steps=2", f"teacher.url={other_url}"]) == 2
+    finally:
+        stop()
+    run = tmp_path / "run"
+    ours = httpx.get(url + "/info").json()["teacher_weights_sha256"][:12]  # what each server states
+    theirs = svc.info["teacher_weights_sha256"][:12]
+    assert _err(capsys)[-1] == (f"opdistill train: run error: --resume: what run {run} reads has changed since it was "
+                                f"recorded: teacher.weights_sha256 {ours!r} -> {theirs!r}; give the run the inputs it "
+                                f"started with, or name the changes to accept them: --accept-changed teacher")
+    assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    # the same teacher in process (model.teacher, no url): the same fingerprint, so the resume goes on
+    assert main(["train", "--config", str(path), "--resume", "train.steps=2", "teacher.url=null"]) == 0
+
+
+def test_large_files_are_fingerprinted_by_size_mtime_and_samples(tmp_path, monkeypatch):
+    import opdistill.train.inputs as inputs
+
+    monkeypatch.setattr(inputs, "LARGE_FILE_BYTES", 1 << 20)
+    f = tmp_path / "big.jsonl"
+    f.write_bytes(bytes(range(256)) * 8192)  # 2 MiB
+    fp = inputs.file_fingerprint(f)
+    assert (fp["method"], fp["size"], set(fp)) == ("size+mtime+sample", 2 << 20, {"method", "size", "mtime_ns",
+                                                                                 "sample_sha256"})
+    st = f.stat()
+    with open(f, "r+b") as h:  # a byte inside the first sampled block (offset 0), mtime put back
+        h.write(b"\xff")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert inputs.file_fingerprint(f)["sample_sha256"] != fp["sample_sha256"]
+    with open(f, "r+b") as h:  # a byte between two sampled blocks: only the modification time tells
+        h.write(b"\x00")
+        h.seek(100_000)
+        h.write(b"\xff")
+    assert inputs.file_fingerprint(f)["mtime_ns"] != fp["mtime_ns"]
+    small = tmp_path / "small.jsonl"
+    small.write_text("x\n")
+    assert inputs.file_fingerprint(small) == {"method": "sha256", "size": 2, "sha256": __import__("hashlib").sha256(
+        b"x\n").hexdigest()}

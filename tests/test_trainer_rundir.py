@@ -47,7 +47,7 @@ def test_fresh_train_on_a_run_is_refused_overwrite_replaces_it(cfg_file, tmp_pat
     before = (run / "metrics.jsonl").read_bytes()
     assert _train(cfg_file, "train.steps=1") == 2
     assert _last_err_line(capsys) == (
-        f"opdistill train: run error: run_dir {run} already holds a run (config.yaml, metrics.jsonl, checkpoints); continue it "
+        f"opdistill train: run error: run_dir {run} already holds a run (config.yaml, inputs.json, metrics.jsonl, checkpoints); continue it "
         f"with --resume, replace it with --overwrite, or choose another run_dir")
     assert (run / "metrics.jsonl").read_bytes() == before  # nothing touched
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]

@@ -23,8 +23,8 @@ __all__ = ["RUN_ENTRIES", "LOCK_NAME", "owner_of", "check_output_path", "output_
            "check_image_path", "save_figure"]
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
-RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png",
-               "wandb", "eval")
+RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "inputs.json", "metrics.jsonl", "checkpoints", "tensorboard",
+               "metrics.png", "wandb", "eval")
 LOCK_NAME = ".lock"
 
 

@@ -4,12 +4,14 @@
 
     refusals        config + process layout + model folders' metadata (``preflight.check_before_loading``):
                     nothing loaded yet
-    run directory   lock, one run per folder, the resume rules (rank 0; the others wait for its verdict)
+    run directory   lock, one run per folder, the resume rules: the config, the checkpoint, the fingerprints of what
+                    the run reads from files (rank 0; the others wait for its verdict)
     models          the student (LoRA, the LoRA base as teacher), the in-process teachers, finite weights, the fused
                     head check; placed on the device, wrapped for data parallelism (FSDP2 / DDP)
     training        optimizer, schedule, the loss object, the teacher cache (its provenance against the teacher),
                     the checkpoint to resume
-    engines         the student's rollout engine (vLLM), then the teachers (``opdistill.teachers.build_teacher``)
+    engines         the student's rollout engine (vLLM), then the teachers (``opdistill.teachers.build_teacher``);
+                    the servers' fingerprints, and the record of every input written (rank 0; train/inputs.py)
     logging         metrics.jsonl, TensorBoard, wandb (rank 0)
 
 Every resource the run holds (the run directory's lock, engines, teacher connections, the logger) is entered into
@@ -39,6 +41,7 @@ from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_
 from opdistill.train.collect import Collector
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, wrap_student
+from opdistill.train.inputs import check_inputs, local_inputs, record_inputs, remote_inputs
 from opdistill.train.logger import NullLogger, RunLogger
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.optim import build_optimizer
@@ -236,12 +239,24 @@ class Run:
     config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
 
 
-def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
-    """Lock the run directory and apply its rules before any model loads: (RunDir, checkpoint to resume or None)."""
+@dataclass
+class _Opened:
+    """What rank 0 decided about the run directory before any model loads."""
+
+    rd: RunDir
+    ckpt: Path | None
+    inputs: dict  # the fingerprints of what the run reads from files (train/inputs.py)
+    accepted: dict  # their changes the user named (--accept-changed), to record
+
+
+def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple = ()) -> _Opened:
+    """Lock the run directory and apply its rules before any model loads: the checkpoint to resume, the config and
+    the inputs (their fingerprints against the run's record: train/inputs.py)."""
     rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
     try:
+        local = local_inputs(cfg)
         if not resume:
-            return rd, None
+            return _Opened(rd, None, local, {})
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
                                          config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
@@ -250,12 +265,23 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool):
             warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
                           f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
                           f"step on differs from the original run's", RunWarning, stacklevel=3)
+        accepted = check_inputs(rd.path, local, accept, what="--resume")  # a folder or file changed under the run
         set_aside_newer(rd.path, ckpt)
         set_aside_evaluations(rd.path, int(ckpt.name.split("_")[1]))  # as metrics.jsonl is trimmed to the checkpoint
-        return rd, ckpt
+        return _Opened(rd, ckpt, local, accepted)
     except BaseException:
         rd.close()
         raise
+
+
+def _record_inputs(cfg: TrainerConfig, opened: _Opened, teachers, accept: tuple, step: int) -> None:
+    """The servers' fingerprints (their /info, read when the teachers connected) checked like the files' on a
+    resume; then the run's record of what it reads written (train/inputs.py). Rank 0."""
+    remote = remote_inputs(cfg, teachers)
+    accepted = dict(opened.accepted)
+    if opened.ckpt is not None:
+        accepted |= check_inputs(opened.rd.path, remote, accept, what="--resume")
+    record_inputs(opened.rd, {**opened.inputs, **remote}, accepted, step=step)
 
 
 def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
@@ -271,13 +297,13 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
     return tok, task, source, held_out, open_teacher_cache(cfg, tok)
 
 
-def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool):
-    """(RunDir, checkpoint to resume or None): rank 0 alone locks the run directory and applies its rules; the
-    others wait for its verdict and resume from its choice."""
-    opened = ctx.from_main(_open_run, cfg, resume, overwrite)
-    rd, ckpt = opened if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
+def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool, accept: tuple = ()):
+    """(RunDir, checkpoint to resume or None, rank 0's :class:`_Opened` or None): rank 0 alone locks the run directory
+    and applies its rules; the others wait for its verdict and resume from its choice."""
+    opened = ctx.from_main(_open_run, cfg, resume, overwrite, accept)
+    rd, ckpt = (opened.rd, opened.ckpt) if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
     shared = ctx.broadcast_text(None if ckpt is None else str(ckpt))
-    return rd, None if shared is None else Path(shared)
+    return rd, None if shared is None else Path(shared), opened
 
 
 def _load(cfg: TrainerConfig, ctx: DistContext, tok, models):
@@ -307,10 +333,11 @@ def _loss(cfg: TrainerConfig, ctx: DistContext):
 
 
 def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,
-             quiet: bool = False) -> Run:
-    """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring)."""
+             quiet: bool = False, accept_changed: tuple = ()) -> Run:
+    """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring). ``accept_changed``:
+    the inputs whose change since the run started a resume accepts (``--accept-changed``; train/inputs.py)."""
     tok, task, source, held_out, cache = _refuse_early(cfg, ctx, models)
-    rd, ckpt = _open_run_dir(cfg, ctx, resume, overwrite)
+    rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed))
     stack.enter_context(rd)
     student, teacher_models = _load(cfg, ctx, tok, models)
     params = [p for p in student.parameters() if p.requires_grad]
@@ -332,6 +359,7 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
         tokenizer=tok, student=student, models=teacher_models, mesh=ctx.mesh if ctx.enabled else None,
         group=ctx.group, cache=cache, resolve=resolve_model_path))))
+    ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
     save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,

@@ -18,15 +18,18 @@ from opdistill.models import resolve_model_path
 from opdistill.runs.outputs import check_output_path, output_lock
 from opdistill.train.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.config import load_config
+from opdistill.train.inputs import check_inputs, local_inputs
 from opdistill.train.lora import apply_lora, merged_model
 from opdistill.train.rundir import CheckpointError
 
 __all__ = ["export_run"]
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "latest") -> Path:
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "latest",
+               accept_changed: tuple = ()) -> Path:
     """Write RUN_DIR's student at ``checkpoint`` (``latest``: the newest intact one; or a checkpoint folder) to
-    ``out`` as a plain transformers folder; return its path."""
+    ``out`` as a plain transformers folder; return its path. The student folder (a LoRA run's base, the tokenizer)
+    must be the one the run recorded (train/inputs.py) unless ``accept_changed`` names ``model.student``."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"RUN_DIR: '{run_dir}' holds no config.yaml (expected the run_dir of an opdistill train run)")
@@ -34,7 +37,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: s
     check_output_path(out, "--out")
     with output_lock(out, "--out"):
         _check_out(out)  # again, under the lock: another export may have finished in between
-        return _export(run_dir, out, checkpoint)
+        return _export(run_dir, out, checkpoint, tuple(accept_changed))
 
 
 def _check_out(out: Path) -> None:
@@ -42,10 +45,11 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"--out: '{out}' exists and is not an empty folder; choose a new folder")
 
 
-def _export(run_dir: Path, out: Path, checkpoint: str) -> Path:
+def _export(run_dir: Path, out: Path, checkpoint: str, accept: tuple) -> Path:
     from opdistill.models import load_model, load_tokenizer, truncate_layers
 
     cfg = load_config(run_dir / "config.yaml")
+    check_inputs(run_dir, local_inputs(cfg, only=("model.student",)), accept, what="export")
     if checkpoint == "latest":
         ckpt = resume_checkpoint(run_dir)
     else:

@@ -66,17 +66,19 @@ def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
 
 
 def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = False, models=None,
-                 quiet: bool = False) -> dict:
+                 quiet: bool = False, accept_changed: tuple = ()) -> dict:
     """Train as configured; returns a summary (steps, time, eval history). ``models`` = (tok, student, teacher)
     already loaded (``teacher``: a model, or {name: model} for ``teachers``).
 
     ``resume``: continue the run in ``cfg.run_dir`` from its newest intact checkpoint (allowed config changes only);
     ``overwrite``: delete the run in ``cfg.run_dir`` first. Without either, a ``run_dir`` holding a run is refused
-    (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md)."""
+    (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md). ``accept_changed``: input names
+    (``teacher``, ``data.path``, ...) whose change since the run started a resume accepts (train/inputs.py)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     with init_distributed(cfg) as ctx, ExitStack() as stack:  # world size 1 without torchrun: no process group
-        run = assemble(cfg, ctx, stack, resume=resume, overwrite=overwrite, models=models, quiet=quiet)
+        run = assemble(cfg, ctx, stack, resume=resume, overwrite=overwrite, models=models, quiet=quiet,
+                       accept_changed=accept_changed)
         return _loop(run)
 
 

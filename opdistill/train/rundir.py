@@ -34,7 +34,7 @@ from opdistill.yaml12 import dump_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl", "check_checkpoint_config", "flatten_config", "set_aside_evaluations"]
+           "read_jsonl", "check_checkpoint_config", "flatten_config", "set_aside_evaluations", "append_history"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -199,15 +199,20 @@ class RunDir:
                            f"{', '.join(RESUMABLE_KEYS)} may change on resume (start another run_dir, or use "
                            f"--overwrite to replace this run)")
         if changes:
-            row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "resumed_at_step": step, "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}}
-            check_not_symlink(self.history_path)
-            fd = open_nofollow(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            with os.fdopen(fd, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_history(self, {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                  "resumed_at_step": step,
+                                  "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})
         return changes
+
+
+def append_history(rd: RunDir, row: dict) -> None:
+    """Append one line to the run's ``config_history.jsonl`` (one ``write``, fsync'ed; a link is refused)."""
+    check_not_symlink(rd.history_path)
+    fd = open_nofollow(rd.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _unflatten(flat: dict) -> dict:
