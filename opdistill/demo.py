@@ -30,6 +30,7 @@ import torch
 
 from opdistill.data import PromptSource
 from opdistill.runs.compare import Group, load_runs, metric_sums, plot_groups, read_values
+from opdistill.runs.outputs import check_output_path
 from opdistill.runs.stats import paired_difference
 from opdistill.teachers import LocalTeacher
 from opdistill.train.config import load_config
@@ -158,6 +159,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
              eval_every: int = 20, eval_prompts: int = 200, threads: int | None = None, log=print) -> dict:
     threads = threads or 1  # tiny models: one thread is fastest, and 2 threads collapse under any other load
     out_dir = Path(out_dir)
+    check_output_path(out_dir, "--out")  # not inside a run's entries (its rotation would delete the demo's runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     base = load_config(base=demo_config(out_dir, "on_policy", seeds[0], budget_s, eval_every, eval_prompts, threads))

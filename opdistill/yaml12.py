@@ -14,7 +14,9 @@ Merge keys (``<<: *base``) still work. A mapping that names a key twice is refus
 a word). Bounded input: a document nests at most :data:`MAX_DEPTH` collections deep (deeper was a RecursionError in
 PyYAML's composer) and expands to at most :data:`MAX_VALUES` values once every alias is followed (an "alias bomb" of
 a few hundred bytes expands to billions: PyYAML shares the nodes, so the bomb goes off later, in whatever walks the
-value: validation, an error message, a copy); a recursive alias is refused. Each refusal is a ``yaml.YAMLError``
+value: validation, an error message, a copy), and stops composing at :data:`MAX_VALUES` values written out (a 40 MB
+flat list took minutes); a recursive alias is refused. The config loader also refuses a file above
+:data:`MAX_CONFIG_BYTES` before parsing it. Each refusal is a ``yaml.YAMLError``
 with the position of the offending node, which the config loader turns into one line.
 
 :func:`dump_yaml` writes what both schemas read back the same: a string that either schema would take for another
@@ -30,10 +32,11 @@ from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, SequenceNode
 
-__all__ = ["MAX_DEPTH", "MAX_VALUES", "Yaml12Loader", "load_yaml", "dump_yaml"]
+__all__ = ["MAX_DEPTH", "MAX_VALUES", "MAX_CONFIG_BYTES", "Yaml12Loader", "load_yaml", "dump_yaml"]
 
 MAX_DEPTH = 64  # collections inside collections; a config needs about 5
 MAX_VALUES = 100_000  # values after following every alias; a config holds a few hundred
+MAX_CONFIG_BYTES = 4 << 20  # a config file's size (the loader reads at most this much + 1 byte)
 
 _INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
 _FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|"
@@ -51,13 +54,18 @@ class Yaml12Loader(yaml.SafeLoader):
     def __init__(self, stream):
         super().__init__(stream)
         self._depth = 0
+        self._nodes = 0
 
     # -- bounds -------------------------------------------------------------------------------------------------------
     def compose_node(self, parent, index):
         self._depth += 1
+        self._nodes += 1  # written out (aliases count once here): a huge flat document stops early, not after
         try:
             if self._depth > MAX_DEPTH:
                 raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep; a config needs far fewer",
+                                    self.peek_event().start_mark)
+            if self._nodes > MAX_VALUES:
+                raise ComposerError(None, None, f"more than {MAX_VALUES} values; a config holds far fewer",
                                     self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:

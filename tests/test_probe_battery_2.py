@@ -976,3 +976,119 @@ def test_large_files_are_fingerprinted_by_size_mtime_and_samples(tmp_path, monke
     small.write_text("x\n")
     assert inputs.file_fingerprint(small) == {"method": "sha256", "size": 2, "sha256": __import__("hashlib").sha256(
         b"x\n").hexdigest()}
+
+
+# -- variations of this round (docs/reliability.md, "Probe battery, round two") -------------------------------------
+def test_a_config_that_is_a_device_too_large_or_too_long_is_one_line(tmp_path):
+    from opdistill.yaml12 import MAX_CONFIG_BYTES
+
+    with pytest.raises(ConfigError) as e:  # was a two-line YAML reader error (NUL characters)
+        load_config("/dev/zero")
+    assert str(e.value) == "/dev/zero: a device, not a config file (a config is a YAML text file)"
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"x: 1\n" + b"#" * MAX_CONFIG_BYTES)
+    with pytest.raises(ConfigError) as e:
+        load_config(big)
+    assert str(e.value) == f"{big}: larger than 4 MiB; a config is a few KB of YAML (data belongs in data.path)"
+    flat = tmp_path / "flat.yaml"  # 1.5 MB, a million values: was parsed whole (a 40 MB one ran for minutes)
+    flat.write_text("x: [" + ",".join(["1"] * 1_000_000) + "]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(flat)
+    assert str(e.value) == f"{flat}:1: not valid YAML (more than {MAX_VALUES} values; a config holds far fewer)"
+
+
+def test_a_nul_character_in_any_config_string_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:  # was a ValueError traceback ("embedded null byte") from mkdir
+        load_config(base=BASE, overrides=['run_dir="runs/a\\0b"'])
+    assert str(e.value) == "run_dir: expected text without a NUL character, got 'runs/a\\x00b'"
+    with pytest.raises(ConfigError, match=r"^data\.task_args\.name: expected text without a NUL character"):
+        load_config(base=BASE, overrides=['data.task_args={name: "x\\0"}'])
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "model": {"student": "builtin:demo-student", "teacher": "builtin:demo-teacher"},
+                                   "run_dir": str(tmp_path / ("a" * 300))}))
+    assert main(["train", "--config", str(cfg)]) == 2  # was an OSError traceback (File name too long)
+    assert _err(capsys) == [f"opdistill train: run error: run_dir {tmp_path / ('a' * 300)}: cannot create it (File "
+                            f"name too long); choose another run_dir"]
+
+
+def test_token_files_are_read_bounded(capsys):
+    pytest.importorskip("httpx")
+    from opdistill.teachers import RemoteTeacher, TeacherServiceError
+
+    with pytest.raises(TeacherServiceError) as e:  # /dev/zero: was a MemoryError
+        RemoteTeacher("http://127.0.0.1:9", token_file="/dev/zero")
+    assert str(e.value) == ("teacher.token_file='/dev/zero': longer than 65536 bytes; a token is one short line of "
+                            "text")
+    assert main(["serve-teacher", "--model", "builtin:demo-teacher", "--token-file", "/dev/zero"]) == 2
+    assert _err(capsys) == ["opdistill serve-teacher: serve error: --token-file /dev/zero: longer than 65536 bytes; "
+                            "a token is one short line of text"]
+
+
+def test_the_server_refuses_huge_numbers_and_duplicate_fields(service):
+    url, _ = service
+    head = b'{"input_ids": [[1,2,3,4]], "attention_mask": [[1,1,1,1]], "response_mask": [[0,0,1,1]], "k": 2, '
+    huge = head + b'"temperature": 1' + b"0" * 400 + b"}"  # was an OverflowError: 500
+    status, detail = _post(url, content=huge, headers={"Content-Type": "application/json"})
+    assert (status, detail) == (422, "temperature: expected a finite number > 0, got 1" + "0" * 39 + "...")
+    twice = head + b'"k": 3}'  # json keeps the last without a word
+    assert _post(url, content=twice, headers={"Content-Type": "application/json"}) == (
+        400, 'the body is not valid JSON (the field "k" appears twice)')
+
+
+def test_a_redirect_is_refused_not_followed():
+    pytest.importorskip("fastapi")
+    from fastapi import FastAPI
+    from fastapi.responses import RedirectResponse
+
+    from opdistill.teachers import RemoteTeacher, TeacherServiceError
+
+    app = FastAPI()
+
+    @app.get("/info")
+    def info():
+        return RedirectResponse("http://elsewhere.invalid/info", status_code=302)
+
+    url, stop = _serve_in_thread(app)
+    try:
+        with RemoteTeacher(url, retries=0) as c, pytest.raises(TeacherServiceError) as e:
+            c.fetch_info()  # was: "answered something that is not JSON"
+    finally:
+        stop()
+    assert str(e.value) == (f"teacher.url={url}: GET /info (server info) was redirected (HTTP 302 to "
+                            f"'http://elsewhere.invalid/info'); redirects are not followed: set teacher.url to the "
+                            f"server's own address")
+
+
+def test_compare_refuses_a_copy_of_a_run_as_another_seed(trained, tmp_path, capsys):
+    run, _ = trained
+    copy = _copy_run(trained, tmp_path / "copy")  # was: "mean of 2" over one seed
+    assert main(["compare", str(run), str(copy), "--out", str(tmp_path / "c.png")]) == 2
+    assert _err(capsys) == [f"opdistill compare: error: {copy}: the same config and train.seed (0) as {run}: one run "
+                            f"twice (a copy?); a group's runs must differ by train.seed"]
+
+
+def test_plot_checks_the_rows_it_draws(tmp_path, capsys):
+    run = _fake_run(tmp_path / "r", [{"step": "a", "distillation/loss": 1.0}])  # was a silent plot of 'a'
+    assert main(["plot", str(run), "--out", str(tmp_path / "p.png")]) == 2
+    assert _err(capsys) == [f"opdistill plot: run error: {run / 'metrics.jsonl'}: row 1: 'step' is 'a', expected an "
+                            f"integer >= 0"]
+
+
+def test_demo_out_inside_a_run_is_refused_before_anything_is_written(trained, tmp_path, capsys):
+    run = _copy_run(trained, tmp_path / "run")
+    out = run / "checkpoints" / "demo"
+    assert main(["demo", "--out", str(out), "--budget-s", "1", "--seeds", "0"]) == 2
+    assert _err(capsys)[-1].startswith(f"opdistill demo: run error: --out {out} is inside {run / 'checkpoints'}")
+    assert not out.exists()  # was: the folder made, then the first run refused
+
+
+def test_eval_of_a_run_without_a_record_says_its_inputs_are_not_compared(trained, tmp_path):
+    run = _copy_run(trained, tmp_path / "run")
+    (run / "inputs.json").unlink()
+    with pytest.warns(UserWarning, match=rf"eval: run {re.escape(str(run))} has no record of what it reads "
+                                         r"\(inputs\.json: it started before opdistill kept one, or the file was "
+                                         r"removed\); its inputs are not compared"):
+        assert main(["eval", str(run), "eval.num_prompts=2"]) == 0

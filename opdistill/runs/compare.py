@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdistill.errors import UserError, quote
-from opdistill.runs.files import flatten_config, read_metrics
+from opdistill.runs.files import check_metric_rows, flatten_config, read_metrics
 from opdistill.runs.outputs import check_image_path, check_output_path, output_lock, save_figure
 from opdistill.runs.stats import paired_change, paired_difference
 from opdistill.runs.values import METRICS, summarize, values_from_json
@@ -129,22 +129,11 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _number(v) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
 def _checked_rows(path: Path, rows: list) -> list[dict]:
-    """metrics.jsonl's rows, each an object with an integer ``step`` >= 0 and numbers (or null) for its ``eval/``
-    and ``time/`` values (what compare reads): a list where a number belongs was a traceback from the table."""
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise CompareError(f"{path}: row {i} is {quote(row)}, expected an object (one metrics row per step)")
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CompareError(f"{path}: row {i}: 'step' is {quote(step)}, expected an integer >= 0")
-        for k, v in row.items():
-            if k.startswith(("eval/", "time/")) and not _number(v):
-                raise CompareError(f"{path}: row {i} (step {step}): {k!r} is {quote(v)}, expected a number or null")
+    """metrics.jsonl's rows checked (:func:`opdistill.runs.files.check_metric_rows`), as CompareError."""
+    why = check_metric_rows(rows)
+    if why:
+        raise CompareError(f"{path}: {why}")
     return rows
 
 
@@ -155,13 +144,18 @@ def _label(runs: list[Run]) -> str:
 
 def group_runs(runs: list[Run]) -> list[Group]:
     """Runs whose configs differ only by seed (and run_dir), in order of first appearance; a run without a
-    config.yaml is a group of its own."""
+    config.yaml is a group of its own. Two runs of one config and one seed are refused: the same run twice (a
+    copy), whose "mean over seeds" would count one seed twice."""
     groups: list[tuple[object, list[Run]]] = []
     for run in runs:
         key = None if run.config is None else sorted(
             (k, repr(v)) for k, v in flatten_config(run.config).items() if k not in _VARY)
         for gkey, members in groups:
             if key is not None and gkey == key:
+                twin = next((m for m in members if m.seed == run.seed), None)
+                if twin is not None:
+                    raise CompareError(f"{run.path}: the same config and train.seed ({run.seed!r}) as {twin.path}: "
+                                       f"one run twice (a copy?); a group's runs must differ by train.seed")
                 members.append(run)
                 break
         else:

@@ -7,9 +7,9 @@ import json
 import warnings
 from pathlib import Path
 
-from opdistill.errors import RunError, RunWarning
+from opdistill.errors import RunError, RunWarning, quote
 
-__all__ = ["read_jsonl", "read_metrics", "flatten_config"]
+__all__ = ["read_jsonl", "read_metrics", "flatten_config", "check_metric_rows"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -49,3 +49,23 @@ def flatten_config(d: dict, prefix: str = "") -> dict:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl (a torn last line is dropped with a ``RunWarning``)."""
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def _number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def check_metric_rows(rows: list) -> str | None:
+    """The first way metrics.jsonl's ``rows`` are not what the trainer writes, or None: each row an object with an
+    integer ``step`` >= 0, and a number (or null) for every metric (what ``compare`` and ``plot`` draw; a list where a
+    number belongs was a traceback from the table, a string step a silent plot)."""
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            return f"row {i} is {quote(row)}, expected an object (one metrics row per step)"
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            return f"row {i}: 'step' is {quote(step)}, expected an integer >= 0"
+        for k, v in row.items():
+            if "/" in k and not _number(v):
+                return f"row {i} (step {step}): {k!r} is {quote(v)}, expected a number or null"
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opdistill.errors import RunError
-from opdistill.runs.files import read_metrics
+from opdistill.runs.files import check_metric_rows, read_metrics
 from opdistill.runs.outputs import check_image_path, check_output_path, output_lock, save_figure
 
 __all__ = ["PANELS", "plot_run"]
@@ -36,6 +36,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not rows:
         raise RunError(f"{Path(run_dir) / 'metrics.jsonl'}: no metrics to plot (is {run_dir} a run directory that "
                        f"has logged a step?)")
+    why = check_metric_rows(rows)
+    if why:
+        raise RunError(f"{Path(run_dir) / 'metrics.jsonl'}: {why}")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, keys) in zip(axes, PANELS):
         for key in keys:

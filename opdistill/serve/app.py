@@ -57,6 +57,7 @@ from opdistill.errors import UserError
 from opdistill.models import resolve_model_path
 from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
 from opdistill.teachers.answers import answer_problem
+from opdistill.teachers.http import MAX_TOKEN_BYTES
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
 from opdistill.teachers.wire import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal, parse_accept,
                                      to_wire)
@@ -218,9 +219,9 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= svc.max_k):
         raise BadRequest(422, f"k: expected an integer in [1, {svc.max_k}] or null, got {k!r}")
     temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise BadRequest(422, f"temperature: expected a finite number > 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(
+            float(temperature) if -FLOAT32_MAX <= temperature <= FLOAT32_MAX else math.inf) or temperature <= 0:
+        raise BadRequest(422, f"temperature: expected a finite number > 0, got {_short_json(temperature)}")
     if not FLOAT32_TINY <= temperature <= FLOAT32_MAX:  # the logits are divided in float32: 1e-300 is 0 there
         raise BadRequest(422, f"temperature: expected a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (a float32 "
                               f"the logits can be divided by), got {temperature!r}")
@@ -296,12 +297,22 @@ async def read_json_body(request: Request, *, max_body_bytes: int, timeout_s: fl
         raise BadRequest(408, f"the body did not arrive within {timeout_s:g} s of the headers (this server's "
                               f"--body-timeout-s); send it whole, or send fewer rows") from None
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_no_duplicate_fields)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(400, f"the body is not valid JSON ({e})") from None
     except RecursionError:
         raise BadRequest(400, "the body is not valid JSON here (nested too deeply); a request is a flat object of "
                               "lists of lists") from None
+
+
+def _no_duplicate_fields(pairs: list) -> dict:
+    """A JSON object that names a field twice is refused (json keeps the last one without a word)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the field {_short_json(k)} appears twice")
+        out[k] = v
+    return out
 
 
 def result_refusal(result: ScoreResult, parsed: dict, vocab_size: int) -> tuple[int, str] | None:
@@ -478,8 +489,12 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
     token = None
     if token_file is not None:
         try:
-            with open(token_file, "rb") as f:
-                token = f.read().decode("utf-8").strip()
+            with open(token_file, "rb") as f:  # at most 64 KiB: /dev/zero would never end
+                token = f.read(MAX_TOKEN_BYTES + 1).decode("utf-8")
+            if len(token) > MAX_TOKEN_BYTES:
+                raise ServeError(f"--token-file {token_file}: longer than {MAX_TOKEN_BYTES} bytes; a token is one "
+                                 f"short line of text")
+            token = token.strip()
         except OSError as e:
             raise ServeError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
         except UnicodeDecodeError as e:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
-
 from opdistill.errors import UserError
 from opdistill.teachers.base import Teacher
 
-__all__ = ["TeacherServiceError", "HttpClient", "HttpTeacher"]
+__all__ = ["TeacherServiceError", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES"]
+
+MAX_TOKEN_BYTES = 64 << 10  # a token file's size
 
 
 class TeacherServiceError(UserError, RuntimeError):
@@ -68,7 +68,12 @@ class HttpClient:
         headers = dict(headers or {})
         if token_file is not None:
             try:
-                token = Path(token_file).read_bytes().decode("utf-8").strip()
+                with open(token_file, "rb") as f:  # at most 64 KiB: /dev/zero would never end
+                    token = f.read(MAX_TOKEN_BYTES + 1).decode("utf-8")
+                if len(token) > MAX_TOKEN_BYTES:
+                    raise TeacherServiceError(f"teacher.token_file={token_file!r}: longer than {MAX_TOKEN_BYTES} "
+                                              f"bytes; a token is one short line of text")
+                token = token.strip()
             except OSError as e:
                 raise TeacherServiceError(f"teacher.token_file={token_file!r}: cannot read the token file "
                                           f"({e.strerror})") from None
@@ -145,6 +150,10 @@ class HttpClient:
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {_detail(resp)}"
                 continue
+            if 300 <= resp.status_code < 400:  # not followed: the token would travel to wherever it points
+                raise TeacherServiceError(f"{self.where()}: {method} {path} ({what}) was redirected (HTTP "
+                                          f"{resp.status_code} to {resp.headers.get('location', '?')!r}); redirects "
+                                          f"are not followed: set {self.key} to the server's own address")
             if resp.status_code >= 400:
                 raise TeacherServiceError(f"{self.where()}: {method} {path} ({what}) was refused: HTTP "
                                           f"{resp.status_code}: {_detail(resp)}")

@@ -69,7 +69,8 @@ class RemoteTeacher(HttpTeacher):
         if student is not None:
             width = int(student.get_output_embeddings().weight.shape[0])
             if info.get("teacher_vocab_size") != width:
-                diff.append(f"vocabulary width: student lm_head {width}, server teacher {info.get('teacher_vocab_size')}")
+                diff.append(f"vocabulary width: student lm_head {width}, server teacher "
+                            f"{info.get('teacher_vocab_size')!r}")
         if diff:
             raise TeacherServiceError(f"{self.http.where()}: the server's teacher cannot be distilled into this "
                                       f"student: {'; '.join(diff)} (the same rules as a teacher cache's provenance)")

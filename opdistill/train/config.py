@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 import typing
 from pathlib import Path
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError, quote
-from opdistill.yaml12 import load_yaml
+from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
            "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "NamedTeacher",
@@ -534,21 +535,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     data = dict(base or {})
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as f:
-                loaded = load_yaml(f) or {}
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML "
-                              f"text") from None
+            loaded = load_yaml(_read_config_text(path)) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+            why = getattr(e, "problem", None) or getattr(e, "reason", None) or e
+            raise ConfigError(f"{where}: not valid YAML ({' '.join(str(why).split())})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a YAML mapping at the top level, got {type(loaded).__name__}")
         data = _merge(data, loaded)
     data = apply_overrides(data, list(overrides))
+    _no_nul(data)
     try:
         if "loss" in data:
             data["loss"] = _loss(data["loss"])
@@ -558,6 +555,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         return TrainerConfig.model_validate(data)
     except ValidationError as e:
         raise _one_line(e, TrainerConfig) from None
+
+
+def _read_config_text(path) -> str:
+    """The config file's text: a regular file or a pipe (not a device: ``/dev/zero`` never ends), UTF-8, at most
+    ``MAX_CONFIG_BYTES`` (read no further)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            raise ConfigError(f"{path}: a device, not a config file (a config is a YAML text file)")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config is a few KB of YAML (data "
+                          f"belongs in data.path)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML "
+                          f"text") from None
+
+
+def _no_nul(data, key: str = "") -> None:
+    """Refuse a NUL character in any string of the config: no path, name or URL holds one (the OS refuses it later,
+    deep inside, as a ValueError)."""
+    if isinstance(data, str):
+        if "\x00" in data:
+            raise ConfigError(f"{key or 'config'}: expected text without a NUL character, got {quote(data)}")
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            _no_nul(k, key)
+            _no_nul(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, (list, tuple)):
+        for i, v in enumerate(data):
+            _no_nul(v, f"{key}.{i}")
 
 
 def _merge(a: dict, b: dict) -> dict:

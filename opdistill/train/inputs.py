@@ -229,6 +229,10 @@ def check_inputs(run_dir, current: dict, accept: tuple[str, ...], *, what: str) 
         raise RunError(f"--accept-changed: {', '.join(map(repr, unknown))} is not an input of run {run_dir} (its "
                        f"inputs: {', '.join(known)})")
     if recorded is None:
+        if what != "--resume":  # a resume records them now (record_inputs warns there)
+            warnings.warn(f"{what}: run {run_dir} has no record of what it reads ({INPUTS_FILE}: it started before "
+                          f"opdistill kept one, or the file was removed); its inputs are not compared", RunWarning,
+                          stacklevel=2)
         return {}
     changes = input_changes(recorded, current)
     refused = {n: d for n, d in changes.items() if n not in accept}

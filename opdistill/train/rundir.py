@@ -237,10 +237,13 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
         raise RunError("--resume and --overwrite contradict each other: --resume continues the run in run_dir, "
                        "--overwrite deletes it")
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise RunError(f"run_dir {path} is a file, not a folder; choose another run_dir")
-    _check_not_nested(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        if path.exists() and not path.is_dir():
+            raise RunError(f"run_dir {path} is a file, not a folder; choose another run_dir")
+        _check_not_nested(path)
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a name too long, a read-only disk, a file in the way: one line, not a traceback
+        raise RunError(f"run_dir {path}: cannot create it ({e.strerror}); choose another run_dir") from None
     lock = _acquire_lock(path)
     try:
         for name in RUN_ENTRIES:
