@@ -1092,3 +1092,51 @@ def test_eval_of_a_run_without_a_record_says_its_inputs_are_not_compared(trained
                                          r"\(inputs\.json: it started before opdistill kept one, or the file was "
                                          r"removed\); its inputs are not compared"):
         assert main(["eval", str(run), "eval.num_prompts=2"]) == 0
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest (a RecursionError)
+
+
+@pytest.mark.parametrize("file, command, line", [
+    ("inputs.json", ["eval", "{run}", "eval.num_prompts=2"],
+     "opdistill eval: run error: {run}/inputs.json: unreadable (RecursionError: maximum recursion depth exceeded while "
+     "decoding a JSON array from a unicode string); the run's record of what it reads is damaged (delete it to record "
+     "the current inputs at the next --resume)"),
+    ("metrics.jsonl", ["compare", "{run}", "--out", "{tmp}/c.png"],
+     "opdistill compare: run error: {run}/metrics.jsonl: line 1 is not JSON (nested too deeply); the file is corrupt"),
+    ("eval/step_000003.json", ["compare", "{run}", "--out", "{tmp}/c.png"],
+     "opdistill compare: error: {run}/eval/step_000003.json: unreadable per-problem values (maximum recursion depth "
+     "exceeded while decoding a JSON array from a unicode string)"),
+    ("checkpoints/step_00000002/manifest.json", ["export", "{run}", "--out", "{tmp}/x"],
+     "opdistill export: run error: no intact checkpoint under {run}/checkpoints: {run}/checkpoints/step_00000002/"
+     "manifest.json: unreadable manifest (RecursionError: maximum recursion depth exceeded while decoding a JSON array "
+     "from a unicode string)"),
+])
+def test_deeply_nested_json_in_a_run_is_one_line(trained, tmp_path, file, command, line, capsys):
+    """A crafted (or corrupted) run directory: each JSON file the commands read, nested deeper than Python's parser
+    goes, was a RecursionError traceback."""
+    run = _copy_run(trained, tmp_path / "run")
+    path = run / file
+    path.write_text(DEEP + "\n" + (path.read_text() if file == "metrics.jsonl" else ""))
+    assert main([a.format(run=run, tmp=tmp_path) for a in command]) == 2
+    assert _err(capsys)[-1] == line.format(run=run)
+
+
+def test_a_damaged_history_row_is_one_line(trained, tmp_path, capsys):
+    run = _copy_run(trained, tmp_path / "run")
+    with open(run / "config_history.jsonl", "a") as f:
+        f.write(json.dumps({"resumed_at_step": 2, "inputs": {"teacher": {"from": 1}}}) + "\n")  # was a KeyError
+    assert main(["eval", str(run), "eval.num_prompts=2"]) == 2
+    assert _err(capsys)[-1] == (f"opdistill eval: run error: {run / 'config_history.jsonl'}: row 1: 'inputs' is not "
+                                f"{{name: {{\"from\", \"to\"}}}}; the run's history is damaged")
+
+
+def test_a_deeply_nested_dataset_line_is_a_data_error(tmp_path):
+    from opdistill.data import DatasetTask
+    from opdistill.errors import DataError
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1="}) + "\n" + DEEP + "\n")
+    with pytest.raises(DataError) as e:
+        DatasetTask(str(data))
+    assert str(e.value) == f"{data}:2: not valid JSON here (nested too deeply)"

@@ -122,6 +122,8 @@ def _read_rows(path: str, *, split: str = "train", subset: str | None = None,
             items = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}: not valid JSON here (nested too deeply)") from None
         pairs = [(f"{path} item {i + 1}", r) for i, r in enumerate(items)]
     else:  # JSON lines; blank lines are skipped
         pairs = []
@@ -131,6 +133,8 @@ def _read_rows(path: str, *, split: str = "train", subset: str | None = None,
                     pairs.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{path}:{n}: not valid JSON here (nested too deeply)") from None
     for where, r in pairs:
         if not isinstance(r, dict):
             raise DataError(f"{where}: expected a JSON object with the prompt field, got {type(r).__name__}")

@@ -296,8 +296,8 @@ def read_values(path: str | Path, what: str | None = None):
     path = Path(path)
     try:
         return values_from_json(json.loads(path.read_text()), str(path))
-    except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise CompareError(f"{what or path}: unreadable per-problem values ({e})") from None
+    except (OSError, json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise CompareError(f"{what or path}: unreadable per-problem values ({str(e)[:200]})") from None
 
 
 def _mean_curve(runs: list[Run], metric: str) -> list[tuple[int, float, float]]:

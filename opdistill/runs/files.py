@@ -24,12 +24,13 @@ def read_jsonl(path: Path) -> list[dict]:
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             if i == len(lines) - 1:
                 warnings.warn(f"{path}: line {i + 1} is torn (a write cut off by a kill?); it is ignored and will be "
                               f"cut off on resume", RunWarning, stacklevel=2)
                 break
-            raise RunError(f"{path}: line {i + 1} is not JSON ({e.msg}); the file is corrupt") from e
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise RunError(f"{path}: line {i + 1} is not JSON ({why}); the file is corrupt") from None
     return rows
 
 

@@ -230,9 +230,9 @@ def load_cache(path: str | os.PathLike, *, teacher=None, tokenizer=None, expect_
         prov = json.loads(meta["provenance"])
         if not isinstance(prov, dict) or not isinstance(prov.get("checksum_sha256"), str):
             raise ValueError("not a JSON object with a checksum_sha256 string")
-    except (KeyError, ValueError) as e:
-        raise TeacherCacheError(f"{path}: the cache's provenance metadata is missing or corrupt ({e}); re-score it "
-                                f"with `opdistill score`") from e
+    except (KeyError, ValueError, RecursionError) as e:
+        raise TeacherCacheError(f"{path}: the cache's provenance metadata is missing or corrupt "
+                                f"({str(e)[:200]}); re-score it with `opdistill score`") from None
     actual = _checksum(t, prov)
     if actual != prov["checksum_sha256"]:
         raise TeacherCacheError(f"{path}: checksum mismatch (SHA-256 of provenance and tensors is {actual[:12]}, the "

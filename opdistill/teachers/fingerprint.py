@@ -80,7 +80,12 @@ def teacher_fingerprint_from_folder(path, *, dtype: str = "float32", trust_remot
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError):  # unreadable: the caller loads the model instead
+            return None
+        if not isinstance(weight_map, dict):
+            return None
     elif (folder / "model.safetensors").exists():
         weight_map = None
     else:

@@ -167,8 +167,8 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
         version = manifest["version"]
         if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
             raise TypeError("'files' is not a mapping of file -> {sha256, bytes}")
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e!r})") from e
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}: {str(e)[:200]})") from None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: checkpoint format version {version!r}, this opdistill reads version "
                               f"{FORMAT_VERSION}")

@@ -209,11 +209,21 @@ def effective_inputs(run_dir: str | os.PathLike) -> dict | None:
     try:
         record = json.loads(path.read_text())
         inputs = dict(record["inputs"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunError(f"{path}: unreadable ({type(e).__name__}: {e}); the run's record of what it reads is "
-                       f"damaged (delete it to record the current inputs at the next --resume)") from None
-    for row in read_jsonl(Path(run_dir) / "config_history.jsonl"):
-        for name, change in (row.get("inputs") or {}).items():
+        if not all(isinstance(v, dict) for v in inputs.values()):
+            raise TypeError("an input's fingerprint is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise RunError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]}); the run's record of what it reads "
+                       f"is damaged (delete it to record the current inputs at the next --resume)") from None
+    history = Path(run_dir) / "config_history.jsonl"
+    for i, row in enumerate(read_jsonl(history), 1):
+        changes = row.get("inputs") if isinstance(row, dict) else None
+        if changes is None:
+            continue
+        if not isinstance(changes, dict) or not all(isinstance(c, dict) and isinstance(c.get("to"), dict)
+                                                    for c in changes.values()):
+            raise RunError(f"{history}: row {i}: 'inputs' is not {{name: {{\"from\", \"to\"}}}}; the run's history "
+                           f"is damaged")
+        for name, change in changes.items():
             inputs[name] = change["to"]
     return inputs
 

@@ -321,7 +321,7 @@ def check_checkpoint_config(ckpt: Path, new: dict) -> None:
     was copied from another run, or ``config.yaml`` was edited by hand (the run would silently mix two configs)."""
     try:
         saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return  # verify_checkpoint already vouched for the file; a state without a config predates this check
     if not isinstance(saved, dict):
         return
