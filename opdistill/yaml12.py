@@ -88,9 +88,15 @@ class Yaml12Loader(yaml.SafeLoader):
                 seen.add(key_node.value)
         return super().construct_mapping(node, deep)
 
-    # -- the 1.2 core schema's values ---------------------------------------------------------------------------------
-    def construct_yaml_int(self, node):
+    # -- the 1.2 core schema's values (an explicit tag gets the same rules: ``!!bool yes`` is refused, not false) -----
+    def _scalar_of(self, node, pattern, kind: str) -> str:
         text = self.construct_scalar(node)
+        if not pattern.match(text):
+            raise ConstructorError(None, None, f"{_short(text)} is not a YAML 1.2 {kind}", node.start_mark)
+        return text
+
+    def construct_yaml_int(self, node):
+        text = self._scalar_of(node, _INT, "integer")
         if text.startswith("0o"):
             return int(text[2:], 8)
         if text.startswith("0x"):
@@ -98,7 +104,7 @@ class Yaml12Loader(yaml.SafeLoader):
         return int(text, 10)
 
     def construct_yaml_float(self, node):
-        text = self.construct_scalar(node)
+        text = self._scalar_of(node, _FLOAT, "number")
         lowered = text.lower()
         if lowered.endswith(".inf"):
             return float("-inf") if text.startswith("-") else float("inf")
@@ -107,7 +113,7 @@ class Yaml12Loader(yaml.SafeLoader):
         return float(text)
 
     def construct_yaml_bool(self, node):
-        return self.construct_scalar(node).lower() == "true"
+        return self._scalar_of(node, _BOOL, "boolean (true or false)").lower() == "true"
 
 
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", Yaml12Loader.construct_yaml_int)

@@ -1140,3 +1140,20 @@ def test_a_deeply_nested_dataset_line_is_a_data_error(tmp_path):
     with pytest.raises(DataError) as e:
         DatasetTask(str(data))
     assert str(e.value) == f"{data}:2: not valid JSON here (nested too deeply)"
+
+
+@pytest.mark.parametrize("override, line", [
+    ("eval.greedy=!!bool yes", "eval.greedy: cannot read '!!bool yes' as a YAML value ('yes' is not a YAML 1.2 boolean "
+                               "(true or false))"),  # was False, silently
+    ("train.seed=!!int 1_000", "train.seed: cannot read '!!int 1_000' as a YAML value ('1_000' is not a YAML 1.2 "
+                               "integer)"),  # was 1000 (Python's int() reads underscores)
+    ("train.seed=!!int abc", "train.seed: cannot read '!!int abc' as a YAML value ('abc' is not a YAML 1.2 integer)"),
+    ("data.task_args=!!python/object/apply:os.system [echo x]", "data.task_args: cannot read '!!python/object/apply:"
+     "os.system [echo x]' as a YAML value (could not determine a constructor for the tag 'tag:yaml.org,2002:python/"
+     "object/apply:os.system')"),
+])
+def test_explicit_yaml_tags_follow_the_same_rules(override, line):
+    with pytest.raises(ConfigError) as e:
+        load_config(base=BASE, overrides=[override])
+    assert str(e.value) == line
+    assert load_config(base=BASE, overrides=["train.seed=!!int 0o10", "optim.lr=!!float 3"]).optim.lr == 3.0
