@@ -223,7 +223,7 @@ class TeacherConfig(_Section):
 
     url: Optional[str] = None  # http(s)://host:port of an `opdistill serve-teacher` server (TLS by the scheme)
     token_file: Optional[str] = None  # file holding the server's bearer token
-    timeout_s: float = Field(120.0, gt=0)  # per request
+    timeout_s: float = Field(120.0, gt=0)  # the deadline of each try of a request, the whole of it (teachers/http.py)
     retries: int = Field(3, ge=0)  # retries after a failed try (connection, timeout, 5xx), backoff doubling
     backoff_s: float = Field(0.5, ge=0)  # wait before the first retry
     payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
