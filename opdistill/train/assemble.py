@@ -328,14 +328,30 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
         if ctx.is_main else NullLogger()))
     engines = stack.enter_context(_closing(open_engines(cfg, tok, student, resolve_model_path)))  # after the ckpt
     teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
-        tokenizer=tok, student=student, models=teacher_models, mesh=ctx.mesh if ctx.enabled else None,
+        tokenizer=tok, student=getattr(student, "module", student), models=teacher_models,
+        mesh=ctx.mesh if ctx.enabled else None,
         group=ctx.group, cache=cache, resolve=resolve_model_path))))
+    if cfg.loss.loss_mode == "full" and teachers.train is not None:  # every rank: a sharded head is gathered
+        ctx.from_main(rd.check_teacher_heads, _teacher_heads(teachers.train), ckpt is not None)
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
     save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
                teachers, collect, save, config_to_dict(cfg))
+
+
+def _teacher_heads(teacher) -> dict[str, str]:
+    """{where the teacher comes from: SHA-256 of its lm_head} for the hidden-state payload (each routed member)."""
+    from opdistill.teachers.wire import head_sha256
+
+    members = getattr(teacher, "members", {"": teacher})
+    out = {}
+    for name, t in members.items():
+        head = getattr(t, "head", None)
+        if head is not None:
+            out[f"{t.key}" + (f" ({name})" if name else "")] = head_sha256(head.weight, head.bias)
+    return out
 
 
 class _closing:

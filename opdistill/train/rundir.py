@@ -67,6 +67,7 @@ RESUMABLE_KEYS = (
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
 RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "metrics.png",
+               "teacher_heads.json",
                "wandb", "eval")
 _LOCK = ".lock"
 
@@ -177,6 +178,21 @@ class RunDir:
     def write_config(self, cfg_dict: dict) -> None:
         """The run's config, written once when a fresh run starts."""
         atomic_write_text(self.config_path, yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    def check_teacher_heads(self, heads: dict[str, str], resume: bool) -> None:
+        """The SHA-256 of every teacher head the run's hidden-state payload goes through (``{where: sha}``):
+        recorded at a fresh start (``teacher_heads.json``), compared on resume, where a different head (another
+        teacher behind the same url or folder) is refused naming it."""
+        path = self.path / "teacher_heads.json"
+        if resume and path.exists():
+            old = json.loads(path.read_text())
+            diff = [f"{k}: was {old.get(k, 'none')[:12]}, now {v[:12]}" for k, v in heads.items() if old.get(k) != v]
+            if diff:
+                raise RunError(f"--resume: the teacher's lm_head changed since the run started ({'; '.join(diff)}); "
+                               f"the hidden-state loss would now distill another teacher: resume with the teacher "
+                               f"the run started with, or start a new run")
+        if heads and not (resume and path.exists()):
+            atomic_write_text(path, json.dumps(heads, sort_keys=True) + "\n")
 
     def effective_config(self, load) -> dict:
         """The run's config as last resumed: ``config.yaml`` (read through ``load``, so new schema keys get their
