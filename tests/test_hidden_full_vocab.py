@@ -161,9 +161,11 @@ def test_gradcheck_of_both_fused_ops():
         assert torch.autograd.gradcheck(lambda a, b, c: fused_generalized_jsd(a, b, ht, wt, beta=beta, student_bias=c,
                                                                               teacher_bias=bt, chunk_size=4),
                                         (hs, ws, bs))
+        # the first backward scales the gradient computed in forward (at beta 0 and 1 by kl_step's one-pass rule),
+        # a repeat recomputes through jsd_logit_grad: equal but for rounding, hence the reentrancy tolerance
         assert torch.autograd.gradcheck(lambda a, b, c: fused_jsd_loss(a, b, ht, wt, wts, beta=beta, student_bias=c,
                                                                        teacher_bias=bt, chunk_size=2)[0],
-                                        (hs, ws, bs))
+                                        (hs, ws, bs), nondet_tol=1e-12)
 
 
 def test_bad_inputs_name_what_is_wrong():

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..ops.checks import check_finite_rows, check_float, check_temperature, check_unit_interval, compute_dtype
-from ..parallel.stages import jsd_logit_grad, jsd_totals, lse_and_gather
+from ..ops.divergence import canonical
+from ..parallel.stages import jsd_logit_grad, jsd_totals, kl_step, lse_and_gather
 from ._chunks import LinearGrads, chunk_logits, chunk_rows
 from .logprobs import check_linear_inputs, weight_shard
 
@@ -86,17 +87,29 @@ class FusedJSDLoss(torch.autograd.Function):
         g = torch.zeros(N, dtype=cd, device=hs.device)  # d o_t / d J_t
         lse = torch.empty((N, 2), dtype=cd, device=hs.device)
         need = any(ctx.needs_input_grad[:3])
+        kind = canonical("jsd", beta)  # the KL endpoints: one pass (kl_step); inside: the JSD stages
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                zs, zt, lse[a:b] = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, cd)
-                tot = jsd_totals(shard, zs, zt, lse[a:b], temperature, beta)
-                J[a:b], A[a:b] = tot[:, 0], tot[:, 1]
-                inside = torch.ones_like(J[a:b], dtype=torch.bool) if clamp is None else J[a:b].abs() <= clamp
-                g[a:b] = torch.where(live[a:b] & inside, weights[a:b], 0.0)  # d (w clamp(J)) / dJ
-                if need:
-                    grads.add(slice(a, b), jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], g[a:b], temperature,
-                                                          beta, out=zs))
+
+                def g_of(j, a=a, b=b):  # d (w clamp(J)) / dJ
+                    inside = torch.ones_like(j, dtype=torch.bool) if clamp is None else j.abs() <= clamp
+                    g[a:b] = torch.where(live[a:b] & inside, weights[a:b], 0.0)
+                    return g[a:b]
+
+                if kind != "jsd":
+                    zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, bt, 1.0)
+                    J[a:b], A[a:b], lse[a:b] = kl_step(shard, zs, zt, temperature, kind, g_of if need else None)
+                    if need:
+                        grads.add(slice(a, b), zt)
+                else:
+                    zs, zt, lse[a:b] = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, cd)
+                    tot = jsd_totals(shard, zs, zt, lse[a:b], temperature, beta)
+                    J[a:b], A[a:b] = tot[:, 0], tot[:, 1]
+                    g_of(J[a:b])
+                    if need:
+                        grads.add(slice(a, b), jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], g[a:b], temperature,
+                                                              beta, out=zs))
                 del zs, zt
         o = weights * (J if clamp is None else J.clamp(-clamp, clamp))
         ctx.grads = grads
