@@ -149,6 +149,42 @@ def test_one_pass_and_recompute_give_the_same_gradients():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0], ids=["forward", "jsd", "reverse"])
+@pytest.mark.parametrize("spread", [1.0, 60.0], ids=["plain", "underflow"])
+def test_the_one_pass_step_equals_trls_jsd_and_its_autograd(beta, spread):
+    """``divergence_step`` on one chunk (padding columns after the real ones, tau != 1): J equals TRL's generalized
+    JSD computed in float64 by ``tests/reference.py``, the logit gradient equals autograd through it, the lse are the
+    two log-sum-exps, and padding columns get 0. ``spread`` 60 puts most probabilities below fp32's range (exp
+    underflows to 0 on both sides, the JSD's mixture too): still finite and equal to the float64 reference."""
+    from opdistill.ops.divergence import canonical
+    from opdistill.parallel.shard import VocabShard
+    from opdistill.parallel.stages import divergence_step
+
+    g = torch.Generator().manual_seed(5)
+    c, w, pad, tau = 4, 23, 3, 0.7
+    zs64 = torch.randn(c, w, generator=g, dtype=torch.float64) * spread
+    zt64 = torch.randn(c, w, generator=g, dtype=torch.float64) * spread
+    weights = torch.tensor([0.5, 0.0, 2.0, 1.0], dtype=torch.float64)
+    z = zs64.clone().requires_grad_(True)
+    J_ref = R.trl_generalized_jsd(z, zt64, beta=beta, temperature=tau)
+    (gz_ref,) = torch.autograd.grad((J_ref * weights).sum(), z)
+    lse_ref = torch.stack([torch.logsumexp(zs64 / tau, -1), torch.logsumexp(zt64 / tau, -1)], -1)
+    shard = VocabShard(None, 1, 0, 0, w, w, w + pad)
+    for dtype, tol in ((torch.float64, dict(rtol=1e-10, atol=1e-10)), (torch.float32, dict(rtol=1e-5, atol=1e-5))):
+        zs = torch.cat([zs64, torch.full((c, pad), 7.0, dtype=torch.float64)], -1).to(dtype)
+        zt = torch.cat([zt64, torch.full((c, pad), -3.0, dtype=torch.float64)], -1).to(dtype)
+        seen = []
+        J, lse = divergence_step(shard, zs, zt, tau, canonical("jsd", beta), beta,
+                                 lambda j: seen.append(j.clone()) or weights.to(dtype))
+        torch.testing.assert_close(J.double(), J_ref.detach(), **tol)
+        torch.testing.assert_close(seen[0].double(), J_ref.detach(), **tol)  # the gradient function sees J
+        torch.testing.assert_close(lse.double(), lse_ref, **tol)
+        torch.testing.assert_close(zs[:, :w].double(), gz_ref, **tol)
+        assert not zs[:, w:].any() and torch.isfinite(zs).all()
+        J2, _ = divergence_step(shard, zs64.to(dtype, copy=True), zt64.to(dtype, copy=True), tau, canonical("jsd", beta), beta)
+        torch.testing.assert_close(J2, J)  # no gradient asked: the same values
+
+
 def test_gradcheck_of_both_fused_ops():
     g = torch.Generator().manual_seed(3)
     hs = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -161,8 +197,8 @@ def test_gradcheck_of_both_fused_ops():
         assert torch.autograd.gradcheck(lambda a, b, c: fused_generalized_jsd(a, b, ht, wt, beta=beta, student_bias=c,
                                                                               teacher_bias=bt, chunk_size=4),
                                         (hs, ws, bs))
-        # the first backward scales the gradient computed in forward (at beta 0 and 1 by kl_step's one-pass rule),
-        # a repeat recomputes through jsd_logit_grad: equal but for rounding, hence the reentrancy tolerance
+        # the first backward scales the gradient computed in forward (g * c), a repeat recomputes it with the
+        # gradient folded in (g c): equal but for rounding, hence the reentrancy tolerance
         assert torch.autograd.gradcheck(lambda a, b, c: fused_jsd_loss(a, b, ht, wt, wts, beta=beta, student_bias=c,
                                                                        teacher_bias=bt, chunk_size=2)[0],
                                         (hs, ws, bs), nondet_tol=1e-12)

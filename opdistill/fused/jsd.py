@@ -1,16 +1,16 @@
 """``fused_generalized_jsd`` and ``fused_jsd_loss``: TRL's generalized JSD (reverse and forward KL at beta = 1, 0)
 between a student and a teacher given as hidden states and lm_heads, chunked over tokens, no ``[N, V]`` buffer.
 
-Per chunk: z_s = h_s W_s^T (+ b_s), z_t = h_t W_t^T (+ b_t) (fp32), then the vocab-sharded stages that the
-vocab-parallel JSD runs: ``lse_and_gather`` on (z_s, z_t) for both normalisers, ``jsd_totals`` for
-J = sum_j phi(s_j, t_j) and A = sum_j d phi / d s_j (the one kernel of ``ops.divergence``). Both heads may be this
-rank's contiguous vocabulary shard (``group``): the stages all-reduce what crosses ranks (3 collectives per chunk),
+Per chunk: z_s = h_s W_s^T (+ b_s), z_t = h_t W_t^T (+ b_t) (fp32), then ``parallel.stages.divergence_step`` on the
+two chunks: both normalisers, J = sum_j phi(s_j, t_j) (the divergence of ``ops.divergence``) and, when asked, the
+logit gradient in the student's chunk buffer, two exps per element and the rest in place. Both heads may be this
+rank's contiguous vocabulary shard (``group``): the step all-reduces what crosses ranks (3 collectives per chunk),
 and the hidden state's gradient is all-reduced once.
 
-    dL/dz_s = grad * (1/tau) * (a - pi A)   (``jsd_logit_grad``, in place in the chunk buffer)
+    dL/dz_s = grad * (1/tau) * (a - pi A),  a_j = d phi / d s_j,  A = sum_j a_j    (in place in the chunk buffer)
     grad_h_s[chunk] = dL/dz_s @ W_s,   grad_W_s += dL/dz_s^T @ h_s[chunk],   grad_b_s += sum_rows dL/dz_s
 
-``fused_generalized_jsd`` keeps per token only J, A and the two lse and recomputes each chunk in backward (exact for
+``fused_generalized_jsd`` keeps per token only J and the two lse and recomputes each chunk in backward (exact for
 any use of the per-token values: 6 GEMMs per chunk). ``fused_jsd_loss`` is the supervised objective
 sum_t w_t clamp(J_t) with the weights known in forward (the aggregation's, ``DistillationLoss``): the gradient is
 computed while each chunk's logits are alive and only scaled in backward (Liger-Kernel's contract), so a chunk costs
@@ -24,16 +24,25 @@ import torch
 
 from ..ops.checks import check_finite_rows, check_float, check_temperature, check_unit_interval, compute_dtype
 from ..ops.divergence import canonical
-from ..parallel.stages import jsd_logit_grad, jsd_totals, kl_step, lse_and_gather
+from ..parallel.stages import divergence_step
 from ._chunks import LinearGrads, chunk_logits, chunk_rows
 from .logprobs import check_linear_inputs, weight_shard
 
 
-def _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, cd):
-    """One chunk through the stages: (z_s, z_t, lse [c, 2], (J, A) [c, 2])."""
+def _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, beta, grad=None):
+    """Rows [a, b) through ``divergence_step``: (J [c], lse [c, 2], dJ/dz_s [c, V] times ``grad``, or None)."""
     zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, bt, 1.0)
-    lse = lse_and_gather(shard, (zs, zt), None, temperature, cd)[0]
-    return zs, zt, lse
+    J, lse = divergence_step(shard, zs, zt, temperature, canonical("jsd", beta), beta, grad)
+    return J, lse, (zs if grad is not None else None)
+
+
+def _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, g, beta, temperature, chunk_size):
+    """Sum into ``grads`` every chunk's gradient for the incoming per-token gradient ``g`` [N] (logits recomputed)."""
+    with torch.no_grad():
+        for a in range(0, hs.shape[0], chunk_size):
+            b = min(a + chunk_size, hs.shape[0])
+            grads.add(slice(a, b), _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, beta,
+                                          lambda _J, a=a, b=b: g[a:b])[2])
 
 
 class FusedJSD(torch.autograd.Function):
@@ -42,37 +51,24 @@ class FusedJSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, bt, shard, beta, temperature, chunk_size):
         N, cd = hs.shape[0], compute_dtype(hs.dtype)
-        totals = torch.empty((N, 2), dtype=cd, device=hs.device)  # J, A
+        J = torch.empty(N, dtype=cd, device=hs.device)
         lse = torch.empty((N, 2), dtype=cd, device=hs.device)
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
-                zs, zt, lse[a:b] = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, cd)
-                totals[a:b] = jsd_totals(shard, zs, zt, lse[a:b], temperature, beta)
-                del zs, zt
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, lse, totals[:, 1].clone())
-        ctx.cfg = (beta, temperature, chunk_size, shard)
+                J[a:b], lse[a:b], _ = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, beta)
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt)
+        ctx.cfg = (beta, temperature, chunk_size, shard, cd)
         ctx.mark_non_differentiable(lse)
-        return totals[:, 0].clone(), lse
+        return J, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        hs, ws, bs, ht, wt, bt, lse, A = ctx.saved_tensors
-        beta, temperature, chunk_size, shard = ctx.cfg
-        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], lse.dtype)
-        _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, lse, A, grad_loss, beta, temperature, chunk_size)
+        hs, ws, bs, ht, wt, bt = ctx.saved_tensors
+        beta, temperature, chunk_size, shard, cd = ctx.cfg
+        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], cd)
+        _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, grad_loss.to(cd), beta, temperature, chunk_size)
         return grads.result(shard) + (None,) * 7
-
-
-def _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, lse, A, g, beta, temperature, chunk_size):
-    """Sum into ``grads`` every chunk's gradient for the incoming per-token gradient ``g`` [N] (logits recomputed)."""
-    with torch.no_grad():
-        for a in range(0, hs.shape[0], chunk_size):
-            b = min(a + chunk_size, hs.shape[0])
-            zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, bt, 1.0)
-            dz = jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], g[a:b], temperature, beta, out=zs)  # [c, V]
-            grads.add(slice(a, b), dz)
-            del zs, zt, dz
 
 
 class FusedJSDLoss(torch.autograd.Function):
@@ -83,45 +79,35 @@ class FusedJSDLoss(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, weights, shard, live, beta, temperature, chunk_size, clamp):
         N, cd = hs.shape[0], compute_dtype(hs.dtype)
         grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], cd)
-        J, A = torch.empty(N, dtype=cd, device=hs.device), torch.empty(N, dtype=cd, device=hs.device)
+        J = torch.empty(N, dtype=cd, device=hs.device)
         g = torch.zeros(N, dtype=cd, device=hs.device)  # d o_t / d J_t
         lse = torch.empty((N, 2), dtype=cd, device=hs.device)
         need = any(ctx.needs_input_grad[:3])
-        kind = canonical("jsd", beta)  # the KL endpoints: one pass (kl_step); inside: the JSD stages
         with torch.no_grad():
             for a in range(0, N, chunk_size):
                 b = min(a + chunk_size, N)
 
-                def g_of(j, a=a, b=b):  # d (w clamp(J)) / dJ
+                def g_of(j, a=a, b=b):  # d (w clamp(J)) / dJ, once J is known
                     inside = torch.ones_like(j, dtype=torch.bool) if clamp is None else j.abs() <= clamp
                     g[a:b] = torch.where(live[a:b] & inside, weights[a:b], 0.0)
                     return g[a:b]
 
-                if kind != "jsd":
-                    zs, zt = chunk_logits(hs[a:b], ws, bs, 1.0), chunk_logits(ht[a:b], wt, bt, 1.0)
-                    J[a:b], A[a:b], lse[a:b] = kl_step(shard, zs, zt, temperature, kind, g_of if need else None)
-                    if need:
-                        grads.add(slice(a, b), zt)
-                else:
-                    zs, zt, lse[a:b] = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, cd)
-                    tot = jsd_totals(shard, zs, zt, lse[a:b], temperature, beta)
-                    J[a:b], A[a:b] = tot[:, 0], tot[:, 1]
-                    g_of(J[a:b])
-                    if need:
-                        grads.add(slice(a, b), jsd_logit_grad(shard, zs, zt, lse[a:b], A[a:b], g[a:b], temperature,
-                                                              beta, out=zs))
-                del zs, zt
+                J[a:b], lse[a:b], dz = _chunk(hs, ws, bs, ht, wt, bt, shard, a, b, temperature, beta,
+                                              g_of if need else None)
+                if need:
+                    grads.add(slice(a, b), dz)
+                del dz
         o = weights * (J if clamp is None else J.clamp(-clamp, clamp))
         ctx.grads = grads
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, lse, A, g, live)
-        ctx.cfg = (beta, temperature, chunk_size, shard)
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, g, live)
+        ctx.cfg = (beta, temperature, chunk_size, shard, cd)
         ctx.mark_non_differentiable(J, lse)
         return o, J, lse
 
     @staticmethod
     def backward(ctx, grad_o, _grad_J, _grad_lse):
-        hs, ws, bs, ht, wt, bt, lse, A, g, live = ctx.saved_tensors
-        beta, temperature, chunk_size, shard = ctx.cfg
+        hs, ws, bs, ht, wt, bt, g, live = ctx.saved_tensors
+        beta, temperature, chunk_size, shard, cd = ctx.cfg
         grads, ctx.grads = ctx.grads, None  # this Function's own buffers, used once: scaled in place
         u = grad_o[live]
         if grads is not None and (not u.numel() or bool((u == u[0]).all())):
@@ -130,9 +116,9 @@ class FusedJSDLoss(torch.autograd.Function):
                 if x is not None:
                     x.mul_(c.to(x.dtype))
             return grads.result(shard) + (None,) * 10
-        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], lse.dtype)
-        _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, lse, A, g * torch.where(live, grad_o, 0.0).to(g.dtype),
-                     beta, temperature, chunk_size)
+        grads = LinearGrads(hs, ws, bs, ctx.needs_input_grad[:3], cd)
+        _chunk_grads(grads, hs, ws, bs, ht, wt, bt, shard, g * torch.where(live, grad_o, 0.0).to(cd), beta,
+                     temperature, chunk_size)
         return grads.result(shard) + (None,) * 10
 
 

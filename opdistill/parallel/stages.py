@@ -25,9 +25,10 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
 ``global_topk``  (1 collective) the student's own top-k ids: local top-k, one all_gather of [values | ids], global
   top-k of the P*k candidates.
 
-``kl_step``  (3 collectives) the full-vocabulary KL (forward or reverse, the JSD's endpoints) of one chunk, value and
-  logit gradient in one pass over buffers it owns: two exps per element, the rest in place (module notes of
-  ``kl_step``); the general JSD goes through the next two.
+``divergence_step``  (3 collectives) the full-vocabulary KL or JSD of one chunk of both sides' logits, value and
+  logit gradient in one pass over buffers it owns: two exps per element (and a log for the JSD), the rest in place;
+  what the fused two-head ops run (their chunks are theirs to overwrite).  The vocab-parallel JSD, whose logits
+  belong to autograd and are kept for backward, runs the next two instead.
 
 ``jsd_totals`` / ``jsd_logit_grad``  (1 collective / none) the full-vocabulary JSD, student and teacher sharded alike:
     J = sum_j phi(s_j, t_j),  A = sum_j a_j  (a_j = d phi / d s_j)       one all-reduce SUM of [N, 2]
@@ -269,69 +270,83 @@ def jsd_logit_grad(shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: t
     return out
 
 
-def kl_step(shard: VocabShard, zs: torch.Tensor, zt: torch.Tensor, tau: float, kind: str,
-            grad=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(J [c], A [c], lse [c, 2]) of the full-vocabulary KL between student logits ``zs`` and teacher logits ``zt`` (this
-    rank's columns, the compute dtype, buffers the caller gives away: both are overwritten), ``kind`` "reverse"
-    (KL(pi || nu): the JSD at beta = 1) or "forward" (KL(nu || pi): beta = 0); with ``grad`` (a function of J
-    giving the incoming gradient per row [c], e.g. a weight that is 0 where a clamp is active), ``zt`` holds
-    dJ/dzs [c, Vl] (times that gradient; 0 on padding columns) on return.
+def divergence_step(shard: VocabShard, zs: torch.Tensor, zt: torch.Tensor, tau: float, kind: str, beta: float,
+                    grad=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(J [c], lse [c, 2]) of the full-vocabulary divergence between student logits ``zs`` and teacher logits
+    ``zt`` (this rank's columns, the compute dtype, buffers the caller gives away: both are overwritten); ``kind`` the
+    ``ops.divergence.canonical`` one: "reverse" KL(pi || nu), "forward" KL(nu || pi) or "jsd" with ``beta`` strictly
+    inside (0, 1). With ``grad`` (a function of J giving the incoming gradient per row [c], e.g. a weight that is 0
+    where a clamp is active), ``zs`` holds dJ/dzs [c, Vl] (times that gradient; 0 on padding columns) on return.
 
-    With s = log pi, t = log nu (both over z / tau), e_s = exp(z_s / tau - m_s), S_s = sum e_s (likewise t), d = s - t:
+    With s = log pi, t = log nu (both over z / tau), e_s = exp(z_s / tau - m_s), S_s = sum e_s (likewise t):
 
-        reverse   J = sum_j pi_j d_j            dJ/dz_j = (1/tau) pi_j (d_j + 1 - A),   A = J + sum_j pi_j
-        forward   J = -sum_j nu_j d_j           dJ/dz_j = (1/tau) (pi_j Q - nu_j),      Q = sum_j nu_j
+        reverse   J = sum_j pi_j (s_j - t_j)                                a_j = pi_j (s_j - t_j + 1)
+        forward   J = sum_j nu_j (t_j - s_j)                                a_j = -nu_j
+        jsd       J = sum_j beta nu_j t_j + (1-beta) pi_j s_j - M_j m_j     a_j = (1-beta) pi_j (s_j - m_j)
+                  (M = beta nu + (1-beta) pi, m = log M: TRL's mixture)
+        dJ/dz_j = (1/tau) (a_j - pi_j A),   A = sum_j a_j                   (``jsd_logit_grad``'s rule)
 
-    (the ``jsd_logit_grad`` rule (1/tau)(a_j - pi_j A) with a_j = d phi / d s_j of ``ops.divergence``: A is returned
-    as ``jsd_totals`` gives it, J + sum_j pi_j or -Q, so a later ``jsd_logit_grad`` can recompute; sum_j pi_j and Q
-    are 1 but for rounding, and are summed, not assumed.) Collectives: MAX of (m_s, m_t), SUM of (S_s, S_t), SUM of
-    (J, sum pi or Q) -- the same three as ``lse_and_gather`` + ``jsd_totals``. Per element: two exps (e_t, e_s) and in
-    place subtractions, one row-dot and, for the gradient, three in-place passes; no [c, Vl] temporary beyond one
-    (two for forward).
+    the values of ``ops.divergence`` and the rule of ``jsd_logit_grad`` (tests check them against both); sums of
+    probabilities that are 1 but for rounding are summed, not assumed.
+    Collectives: MAX of (m_s, m_t), SUM of (S_s, S_t), SUM of (J, A) -- the three of ``lse_and_gather`` +
+    ``jsd_totals``. Per element: two exps (and for jsd one log), the rest in place; beyond the two given buffers one
+    [c, Vl] temporary (reverse) or two (forward, jsd).  A mixture that underflows (M = 0, where pi and nu are 0 too)
+    contributes 0: M is raised to the smallest normal number first.
     """
     w, c = shard.width, zs.shape[0]
-    cd = zs.dtype
+    cd, dev = zs.dtype, zs.device
     xs, xt = zs[:, :w], zt[:, :w]
     if tau != 1.0:
         xs.div_(tau)
         xt.div_(tau)
     m = torch.stack([xs.amax(-1), xt.amax(-1)], -1) if w > 0 else torch.full((c, 2), float("-inf"), dtype=cd,
-                                                                                device=zs.device)
+                                                                                device=dev)
     m = all_reduce_max_checked(m, shard)
     m = torch.where(torch.isfinite(m), m, 0.0)
     xs.sub_(m[:, 0:1])
     xt.sub_(m[:, 1:2])
-    et = torch.exp(xt)  # e_t
-    es = torch.exp(xs) if kind == "forward" else et  # e_s (reverse: e_t is not needed past S_t)
-    local = torch.empty((c, 2), dtype=cd, device=zs.device)
+    et = torch.exp(xt)
+    local = torch.empty((c, 2), dtype=cd, device=dev)
     local[:, 1] = et.sum(-1)
-    if kind != "forward":
-        torch.exp(xs, out=es)
+    if kind == "reverse":  # e_t is not needed past S_t: e_s reuses it
+        es = torch.exp(xs, out=et)
+    else:
+        es = torch.exp(xs)
     local[:, 0] = es.sum(-1)
-    S = all_reduce_(local.clone(), dist.ReduceOp.SUM, shard)
+    S = all_reduce_(local, dist.ReduceOp.SUM, shard)
     logS = torch.log(S)
     lse = m + logS
-    # d = s - t = (xs - log S_s) - (xt - log S_t), into the teacher buffer
-    torch.sub(xs, xt, out=xt)
-    xt.add_((logS[:, 1] - logS[:, 0])[:, None])
-    tot = torch.empty((c, 2), dtype=cd, device=zs.device)
-    if kind == "forward":  # J = -sum nu d,  Q = sum nu (local shares)
-        tot[:, 0] = -torch.linalg.vecdot(et, xt) / S[:, 1]
-        tot[:, 1] = local[:, 1] / S[:, 1]
-    else:  # J = sum pi d,  sum pi (local shares)
-        tot[:, 0] = torch.linalg.vecdot(es, xt) / S[:, 0]
-        tot[:, 1] = local[:, 0] / S[:, 0]
-    all_reduce_(tot, dist.ReduceOp.SUM, shard)
-    J = tot[:, 0].clone()
-    A = -tot[:, 1] if kind == "forward" else tot[:, 0] + tot[:, 1]
-    if grad is None:
-        return J, A, lse
-    g = grad(J).to(cd) / tau
-    if kind == "forward":  # (g/tau)(pi Q - nu) = (g/tau)(e_s Q / S_s - e_t / S_t)
-        torch.mul(es, (tot[:, 1] / S[:, 0])[:, None], out=xt)
+    xs.sub_(logS[:, 0:1])  # s
+    xt.sub_(logS[:, 1:2])  # t
+    es.div_(S[:, 0:1])  # pi
+    tot = torch.empty((c, 2), dtype=cd, device=dev)  # this rank's shares of (J, A)
+    if kind == "reverse":  # d = s - t into the teacher buffer
+        xt.neg_().add_(xs)
+        tot[:, 0] = torch.linalg.vecdot(es, xt)
+        tot[:, 1] = tot[:, 0] + es.sum(-1)
+    elif kind == "forward":  # nu into e_t, t - s into the teacher buffer
         et.div_(S[:, 1:2])
-        xt.sub_(et).mul_(g[:, None])
-    else:  # (g/tau) pi (d + 1 - A) = (g / (tau S_s)) e_s (d + 1 - A),  A = J + sum pi
-        xt.add_((1.0 - tot[:, 0] - tot[:, 1])[:, None]).mul_(es).mul_((g / S[:, 0])[:, None])
-    zt[:, w:] = 0
-    return J, A, lse
+        tot[:, 0] = torch.linalg.vecdot(et, xt.sub_(xs))
+        tot[:, 1] = -et.sum(-1)
+    else:
+        et.div_(S[:, 1:2])  # nu
+        tot[:, 0] = beta * torch.linalg.vecdot(et, xt) + (1.0 - beta) * torch.linalg.vecdot(es, xs)
+        et.mul_(beta).add_(es, alpha=1.0 - beta).clamp_min_(torch.finfo(cd).tiny)  # M
+        torch.log(et, out=xt)  # m (t is spent)
+        tot[:, 0] -= torch.linalg.vecdot(et, xt)
+        xs.sub_(xt)  # s - m
+        tot[:, 1] = (1.0 - beta) * torch.linalg.vecdot(es, xs)
+    all_reduce_(tot, dist.ReduceOp.SUM, shard)
+    J, A = tot[:, 0].clone(), tot[:, 1]
+    if grad is None:
+        return J, lse
+    g = (grad(J).to(cd) / tau)[:, None]
+    if kind == "reverse":  # pi (d + 1 - A)
+        torch.add(xt, (1.0 - A)[:, None], out=xs).mul_(es)
+    elif kind == "forward":  # pi (-A) - nu,  -A = sum nu
+        torch.mul(es, -A[:, None], out=xs).sub_(et)
+    else:  # pi ((1 - beta)(s - m) - A)
+        xs.mul_(1.0 - beta).sub_(A[:, None]).mul_(es)
+    xs.mul_(g)
+    zs[:, w:] = 0
+    return J, lse
