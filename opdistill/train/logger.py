@@ -7,8 +7,10 @@ synchronous: a step's line is on disk when ``log`` returns.
 
 TensorBoard is off the hot path: ``log`` hands the step's scalars to a background thread that owns the
 ``SummaryWriter`` (building the event protobufs is ~1 ms a step of Python), through a ``SimpleQueue``. ``close`` drains
-it; so does SIGTERM while the logger is open (the handler drains the queue, closes the writer, then hands the signal
-to the handler that was there before, so the exit status is unchanged).
+it. A logger used on its own (``sigterm=True``, the default) also drains it on SIGTERM (the handler drains the queue,
+closes the writer, then hands the signal to the handler that was there before, so the exit status is unchanged).
+The trainer passes ``sigterm=False``: its own handler (train/interrupt.py) turns SIGTERM into a stop at the next
+step, after which the logger is closed, and drained, like at any other end.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class _TensorBoardThread:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None, wandb=None):
+                 total_steps: int | None = None, wandb=None, sigterm: bool = True):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
@@ -78,7 +80,7 @@ class RunLogger:
                 self.tb = _TensorBoardThread(self.run_dir / "tensorboard", purge_step=start_step + 1)
             except ImportError:  # tensorboard is an optional extra
                 self.tb = None
-            if self.tb is not None and threading.current_thread() is threading.main_thread():
+            if sigterm and self.tb is not None and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
                 self._sigterm_installed = True
         self.wandb = wandb  # a train.wandb_log.WandbLogger (log.wandb), or None
