@@ -231,3 +231,28 @@ def test_a_teacher_failing_before_the_first_step_leaves_a_step_0_checkpoint(tmp_
     again = _run_as_said(advice)  # the teacher is still away: the same failure, not "no checkpoint"
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1] == advice
+
+
+def test_a_failing_evaluation_keeps_its_step_and_the_resumed_run_evaluates_it_first(reference, monkeypatch):
+    from opdistill.teachers import TeacherServiceError
+    from opdistill.train import loop
+
+    tmp, full_losses, full_evals = reference
+    _, cfg = _config(tmp, "eval-failed")
+    real = loop.run_eval
+
+    def failing_at_step_3(*a, values_path=None, **k):
+        if values_path is not None and values_path.name == "step_000003.json":
+            raise TeacherServiceError("teacher.url=x: the teacher went away")
+        return real(*a, values_path=values_path, **k)
+
+    monkeypatch.setattr(loop, "run_eval", failing_at_step_3)
+    with pytest.raises(TeacherServiceError) as e:
+        run_training(load_config(base=cfg), quiet=True)
+    run = Path(cfg["run_dir"])
+    assert e.value.checkpoint == str(run / "checkpoints" / "step_00000003")  # the update of step 3 is kept
+    assert [s for s, *_ in _losses(run)] == [1, 2, 3]  # the step's own line, without its evaluation
+    monkeypatch.undo()
+    run_training(load_config(base=cfg), resume=True, quiet=True)
+    assert _losses(run) == full_losses
+    assert _evals(run) == full_evals  # step 3's evaluation ran first on resume
