@@ -251,6 +251,10 @@ def _cmd_score(args):
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
 
+    from pathlib import Path
+
+    from opdistill.train.rundir import follow_umask
+
     if os.path.isdir(args.out):
         raise ConfigError(f"--out: {args.out} is a folder; give the cache file's path (e.g. {args.out}/cache.safetensors)")
     cfg = load_config(args.config, args.overrides)
@@ -275,6 +279,7 @@ def _cmd_score(args):
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)
+    follow_umask(Path(path))  # safetensors writes 0600; the cache is data other users' runs may read
     print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
 
 

@@ -44,7 +44,7 @@ import torch
 
 from opdistill.train.lora import ADAPTERS, load_adapters, save_model
 from opdistill.train.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
-                                    check_not_symlink)
+                                    check_not_symlink, follow_umask)
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint", "load_weights",
            "verify_checkpoint", "list_checkpoints", "set_aside_newer", "rng_state", "set_rng_state", "FORMAT_VERSION"]
@@ -316,7 +316,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
 
 
 def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
-    """fsync, manifest last, rename into place, prune to ``keep_last``."""
+    """Modes as the umask says, fsync, manifest last, rename into place, prune to ``keep_last``."""
+    follow_umask(tmp)  # safetensors writes 0600
     _fsync_tree(tmp)
     _write_manifest(tmp, step, layout)  # last: a folder with a valid manifest is complete
     if _before_rename_hook is not None:
