@@ -56,7 +56,8 @@ def build_task(cfg: TrainerConfig) -> Task:
     if dc.task == "dataset":
         return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
                            eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
-                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None)
+                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None,
+                           final_assistant=dc.final_assistant)
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
