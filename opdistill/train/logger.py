@@ -66,7 +66,8 @@ class _TensorBoardThread:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None, wandb=None, sigterm: bool = True):
+                 total_steps: int | None = None, wandb=None, sigterm: bool = True, budget_s: float | None = None,
+                 desc: str = "train"):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
@@ -85,10 +86,16 @@ class RunLogger:
                 self._sigterm_installed = True
         self.wandb = wandb  # a train.wandb_log.WandbLogger (log.wandb), or None
         self.bar = None
+        self.budget_s = budget_s  # train.max_time_s: the bar counts training seconds, not steps (their count is open)
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            if budget_s is not None:
+                self.bar = tqdm(total=round(budget_s, 1), desc=desc, unit="s", dynamic_ncols=True,
+                                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training "
+                                           "[{elapsed}{postfix}]")
+            else:
+                self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -101,16 +108,20 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(step, metrics)
         if self.bar is not None:
-            post = {}
+            post = {"step": step} if self.budget_s is not None else {}
             for key, short in PROGRESS_KEYS:
                 if key in metrics and metrics[key] is not None:
                     post[short] = f"{metrics[key]:.4g}"
             if post:
                 self.bar.set_postfix(post, refresh=False)
 
-    def advance(self) -> None:
+    def advance(self, train_time: float | None = None) -> None:
+        """One step done (``train_time``: the run's training seconds so far, for a bar over ``budget_s``)."""
         if self.bar is not None:
-            self.bar.update(1)
+            if self.budget_s is None:
+                self.bar.update(1)
+            elif train_time is not None:
+                self.bar.update(round(min(train_time, self.budget_s), 1) - self.bar.n)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -145,7 +156,7 @@ class NullLogger:
     def log(self, step: int, metrics: dict) -> None:
         pass
 
-    def advance(self) -> None:
+    def advance(self, train_time: float | None = None) -> None:
         pass
 
     def close(self) -> None:

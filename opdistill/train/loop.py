@@ -219,7 +219,7 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
             progress.phase, progress.metrics = "eval", dict(metrics)
             metrics.update(_evaluate(run))
         logger.log(state.step, metrics)
-        logger.advance()
+        logger.advance(state.train_time)
         progress.phase = "after"
         if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
             _save(run)
