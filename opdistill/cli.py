@@ -483,7 +483,8 @@ def _rank_tag() -> str:
 
 def _origin(category, filename: str) -> str:
     """The package a warning comes from: opdistill for its own warning types and files, else the top-level package
-    of the file that warned (``.../site-packages/transformers/...`` -> transformers)."""
+    of the file that warned (``.../site-packages/transformers/...`` -> transformers; the standard library:
+    python)."""
     from pathlib import Path
 
     if getattr(category, "__module__", "").split(".")[0] == "opdistill":
@@ -498,7 +499,11 @@ def _origin(category, filename: str) -> str:
     for marker in ("site-packages", "dist-packages"):
         if marker in parts and parts.index(marker) + 1 < len(parts):
             return Path(parts[parts.index(marker) + 1]).stem
-    return Path(filename).stem if filename else "python"
+    import sysconfig
+
+    if filename and Path(filename).resolve().is_relative_to(Path(sysconfig.get_paths()["stdlib"]).resolve()):
+        return "python"
+    return "opdistill"  # a file of no installed package: opdistill's caller (stacklevel), e.g. a script
 
 
 def _one_line_warning(message, category, filename, lineno, line=None):

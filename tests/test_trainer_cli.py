@@ -174,3 +174,7 @@ def test_warnings_of_other_libraries_are_labelled_as_theirs():
     import opdistill.train.loop as loop
 
     assert _one_line_warning("x", UserWarning, loop.__file__, 1) == "opdistill: warning: x\n"
+    import subprocess
+
+    assert _one_line_warning("y", ResourceWarning, subprocess.__file__, 1) == \
+        "opdistill: warning from python (ResourceWarning): y\n"
