@@ -66,8 +66,9 @@ def _run_files(run_dir: str, checkpoint: str | None, tensorboard: bool) -> str:
              f"checkpoints: {Path(run_dir) / 'checkpoints'}"
              + (f" (newest: {Path(checkpoint).name})" if checkpoint else " (none written: checkpoint.*)"),
              f"metrics:     {Path(run_dir) / 'metrics.jsonl'} (opdistill plot {run_dir})"]
-    if tensorboard and (Path(run_dir) / "tensorboard").is_dir():
-        lines.append(f"tensorboard: {Path(run_dir) / 'tensorboard'} (tensorboard --logdir {Path(run_dir) / 'tensorboard'})")
+    tb = Path(run_dir) / "tensorboard"
+    if tensorboard and tb.is_dir():
+        lines.append(f"tensorboard: {tb} (tensorboard --logdir {tb})")
     return "\n".join(lines)
 
 

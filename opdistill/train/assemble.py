@@ -336,7 +336,8 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     logger = stack.enter_context(_closing(RunLogger(
         rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress and not quiet,
         total_steps=cfg.train.steps, wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step),
-        budget_s=cfg.train.max_time_s, desc=rd.path.name, sigterm=False)  # the loop's StopSignals owns SIGTERM: a stop at the next step, then this logger closes
+        budget_s=cfg.train.max_time_s, desc=rd.path.name,
+        sigterm=False)  # the loop's StopSignals owns SIGTERM: a stop at the next step, then this logger closes
         if ctx.is_main else NullLogger()))
     save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
                              keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
