@@ -79,6 +79,9 @@ class DataConfig(_Section):
     path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
     answer_field: Optional[str] = None
+    # a chat prompt (list of messages) ending with the assistant's turn: refuse it, or take that turn as the reference
+    # answer and everything before it as the prompt (TRL's conversational datasets: data.prompt_field: messages)
+    final_assistant: Literal["refuse", "answer"] = "refuse"
     use_chat_template: bool = True
     prompts_per_step: int = Field(16, ge=1)
     eval_seed: int = Field(0, ge=0, le=SEED_MAX)  # the held-out set and the evaluation's sampling stream
@@ -100,6 +103,9 @@ class DataConfig(_Section):
             if getattr(self, key) is not None and self.task != "dataset":
                 raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
                                   f"problems), got {getattr(self, key)!r} with data.task {self.task!r}")
+        if self.final_assistant == "answer" and self.answer_field is not None:
+            raise ConfigError(f"data.answer_field: expected null with data.final_assistant 'answer' (the answer is "
+                              f"the final assistant turn of data.prompt_field), got {self.answer_field!r}")
         if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
             raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
                               f"held-out rows, got {self.eval_fraction!r}")
@@ -309,8 +315,10 @@ class TrainerConfig(_Section):
                  "set only with train.method off_policy (on-policy samples cannot come from a cache)",
                  self.data.teacher_cache)
         if method == "rl" or lc.use_task_rewards:
-            need(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
-                 "a column name: rewards need a verifier (method rl or loss.use_task_rewards)", self.data.answer_field)
+            need(self.data.task != "dataset" or self.data.answer_field is not None
+                 or self.data.final_assistant == "answer", "data.answer_field",
+                 "a column name (or data.final_assistant: answer): rewards need a verifier (method rl or "
+                 "loss.use_task_rewards)", self.data.answer_field)
         rc = self.rollout
         if rc.engine == "vllm" or self.teacher.engine == "vllm":
             need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",

@@ -16,7 +16,7 @@ from opdistill.models import resolve_model_path
 from opdistill.train.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.config import load_config
 from opdistill.train.lora import apply_lora, merged_model
-from opdistill.train.rundir import CheckpointError
+from opdistill.train.rundir import CheckpointError, follow_umask
 
 __all__ = ["export_run"]
 
@@ -56,6 +56,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: s
             model.generation_config.save_pretrained(tmp)
         if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
             raise CheckpointError(f"{tmp}: transformers wrote no safetensors weights")
+        follow_umask(tmp)  # safetensors writes 0600: a vLLM server running as another user could not read it
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

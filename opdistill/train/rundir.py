@@ -32,7 +32,7 @@ from opdistill.runs.files import flatten_config, read_jsonl
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl", "check_checkpoint_config", "flatten_config"]
+           "read_jsonl", "check_checkpoint_config", "flatten_config", "follow_umask"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -87,8 +87,9 @@ def check_not_symlink(path: Path) -> None:
                        f"(replace it with a regular file or folder, or use another run_dir)")
 
 
-def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` with ``O_NOFOLLOW``: a symlink at ``path`` is refused with :class:`RunError`."""
+def open_nofollow(path: Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` with ``O_NOFOLLOW``: a symlink at ``path`` is refused with :class:`RunError`. A new file gets
+    ``mode`` less the umask (0666: as ``open`` gives)."""
     try:
         return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
     except OSError as e:
@@ -112,6 +113,31 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the OS tells it (/proc/self/status on Linux; elsewhere
+    the classic set-and-restore)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give ``path`` (a file, or every file under a folder; links are left alone) the mode a new file gets from
+    ``open``: 0666 less the umask. safetensors writes its files 0600 (through a private temporary file), so weights
+    would be the only files of a run or an export that another user (a vLLM server, a teammate) cannot read."""
+    mode = 0o666 & ~current_umask()
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in files:
+        if not p.is_symlink():
+            os.chmod(p, mode)
 
 
 def _fsync_dir(path: Path) -> None:
