@@ -10,7 +10,6 @@ renamed into place) it touches a marker file and waits for the test to say it ha
 """
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess

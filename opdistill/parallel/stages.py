@@ -288,10 +288,14 @@ def divergence_step(shard: VocabShard, zs: torch.Tensor, zt: torch.Tensor, tau: 
 
     the values of ``ops.divergence`` and the rule of ``jsd_logit_grad`` (tests check them against both); sums of
     probabilities that are 1 but for rounding are summed, not assumed.
-    Collectives: MAX of (m_s, m_t), SUM of (S_s, S_t), SUM of (J, A) -- the three of ``lse_and_gather`` +
-    ``jsd_totals``. Per element: two exps (and for jsd one log), the rest in place; beyond the two given buffers one
-    [c, Vl] temporary (reverse) or two (forward, jsd).  A mixture that underflows (M = 0, where pi and nu are 0 too)
-    contributes 0: M is raised to the smallest normal number first.
+
+    The [c, Vl] work is what the KL needs and no more: the max shift in place (exact near the max, where the mass
+    is), two exps, then only unnormalised forms -- s - t = (x_s - x_t) - (l_s - l_t) with x the shifted logits and
+    l = log S, sums of e divided by S per row, the gradient's per-row factors (g / S, 1 - A - delta, ...) folded
+    into one or two passes. Reverse KL: 13 elementwise passes over the chunk and one temporary; forward: 12 and
+    two; the JSD (one log more): 21 and two. Collectives: MAX of (m_s, m_t), SUM of (S_s, S_t), SUM of (J, A) -- the three of
+    ``lse_and_gather`` + ``jsd_totals``. A mixture that underflows (M = 0, where pi and nu are 0 too) contributes
+    0: M is raised to the smallest normal number first.
     """
     w, c = shard.width, zs.shape[0]
     cd, dev = zs.dtype, zs.device
@@ -303,50 +307,51 @@ def divergence_step(shard: VocabShard, zs: torch.Tensor, zt: torch.Tensor, tau: 
                                                                                 device=dev)
     m = all_reduce_max_checked(m, shard)
     m = torch.where(torch.isfinite(m), m, 0.0)
+    # x <- x - m in place (exact near the max, where the mass is), e = exp(x); nothing below builds s or t
+    # themselves: s = x_s - l_s, t = x_t - l_t with l = log S, so s - t = (x_s - x_t) - delta, delta = l_s - l_t
     xs.sub_(m[:, 0:1])
     xt.sub_(m[:, 1:2])
     et = torch.exp(xt)
-    local = torch.empty((c, 2), dtype=cd, device=dev)
+    local = torch.empty((c, 2), dtype=cd, device=dev)  # this rank's (S_s, S_t)
     local[:, 1] = et.sum(-1)
-    if kind == "reverse":  # e_t is not needed past S_t: e_s reuses it
-        es = torch.exp(xs, out=et)
-    else:
-        es = torch.exp(xs)
+    es = torch.exp(xs, out=et) if kind == "reverse" else torch.exp(xs)  # reverse: e_t is spent
     local[:, 0] = es.sum(-1)
+    share = local.clone()  # the local shares of S, for the shares of sum pi and sum nu
     S = all_reduce_(local, dist.ReduceOp.SUM, shard)
-    logS = torch.log(S)
-    lse = m + logS
-    xs.sub_(logS[:, 0:1])  # s
-    xt.sub_(logS[:, 1:2])  # t
-    es.div_(S[:, 0:1])  # pi
-    tot = torch.empty((c, 2), dtype=cd, device=dev)  # this rank's shares of (J, A)
-    if kind == "reverse":  # d = s - t into the teacher buffer
-        xt.neg_().add_(xs)
-        tot[:, 0] = torch.linalg.vecdot(es, xt)
-        tot[:, 1] = tot[:, 0] + es.sum(-1)
-    elif kind == "forward":  # nu into e_t, t - s into the teacher buffer
-        et.div_(S[:, 1:2])
-        tot[:, 0] = torch.linalg.vecdot(et, xt.sub_(xs))
-        tot[:, 1] = -et.sum(-1)
-    else:
-        et.div_(S[:, 1:2])  # nu
-        tot[:, 0] = beta * torch.linalg.vecdot(et, xt) + (1.0 - beta) * torch.linalg.vecdot(es, xs)
-        et.mul_(beta).add_(es, alpha=1.0 - beta).clamp_min_(torch.finfo(cd).tiny)  # M
-        torch.log(et, out=xt)  # m (t is spent)
+    ls = torch.log(S)  # l_s, l_t
+    lse = m + ls
+    delta = (ls[:, 0] - ls[:, 1])[:, None]
+    p_sum, q_sum = share[:, 0] / S[:, 0], share[:, 1] / S[:, 1]  # this rank's sum pi, sum nu
+    tot = torch.empty((c, 2), dtype=cd, device=dev)
+    if kind == "reverse":  # J = sum pi (x_s - x_t) - delta sum pi,  A = J + sum pi
+        torch.sub(xs, xt, out=xt)
+        tot[:, 0] = torch.linalg.vecdot(es, xt) / S[:, 0] - delta[:, 0] * p_sum
+        tot[:, 1] = tot[:, 0] + p_sum
+    elif kind == "forward":  # J = sum nu (x_t - x_s) + delta sum nu,  A = -sum nu
+        xt.sub_(xs)
+        tot[:, 0] = torch.linalg.vecdot(et, xt) / S[:, 1] + delta[:, 0] * q_sum
+        tot[:, 1] = -q_sum
+    else:  # J = beta sum nu t + (1-beta) sum pi s - sum M m,  A = (1-beta) sum pi (s - m)
+        l_s, l_t = ls[:, 0], ls[:, 1]
+        tot[:, 0] = (beta * (torch.linalg.vecdot(et, xt) / S[:, 1] - l_t * q_sum)
+                     + (1.0 - beta) * (torch.linalg.vecdot(es, xs) / S[:, 0] - l_s * p_sum))
+        et.mul_((beta / S[:, 1])[:, None]).addcmul_(es, ((1.0 - beta) / S[:, 0])[:, None])  # M
+        et.clamp_min_(torch.finfo(cd).tiny)
+        torch.log(et, out=xt)  # m (x_t is spent)
         tot[:, 0] -= torch.linalg.vecdot(et, xt)
-        xs.sub_(xt)  # s - m
-        tot[:, 1] = (1.0 - beta) * torch.linalg.vecdot(es, xs)
+        xs.sub_(xt)  # x_s - m = s - m + l_s
+        tot[:, 1] = (1.0 - beta) * (torch.linalg.vecdot(es, xs) / S[:, 0] - l_s * p_sum)
     all_reduce_(tot, dist.ReduceOp.SUM, shard)
     J, A = tot[:, 0].clone(), tot[:, 1]
     if grad is None:
         return J, lse
-    g = (grad(J).to(cd) / tau)[:, None]
-    if kind == "reverse":  # pi (d + 1 - A)
-        torch.add(xt, (1.0 - A)[:, None], out=xs).mul_(es)
-    elif kind == "forward":  # pi (-A) - nu,  -A = sum nu
-        torch.mul(es, -A[:, None], out=xs).sub_(et)
-    else:  # pi ((1 - beta)(s - m) - A)
-        xs.mul_(1.0 - beta).sub_(A[:, None]).mul_(es)
-    xs.mul_(g)
+    g = grad(J).to(cd) / tau  # [c]
+    pi_g = (g / S[:, 0])[:, None]  # pi * g = e_s * pi_g
+    if kind == "reverse":  # g pi (s - t + 1 - A) = e_s pi_g ((x_s - x_t) + 1 - A - delta)
+        torch.add(xt, (1.0 - A)[:, None] - delta, out=xs).mul_(es).mul_(pi_g)
+    elif kind == "forward":  # g (pi sum nu - nu) = e_s pi_g (-A) - e_t g / S_t
+        torch.mul(es, pi_g * -A[:, None], out=xs).addcmul_(et, (-g / S[:, 1])[:, None])
+    else:  # g pi ((1-beta)(s - m) - A) = e_s pi_g ((1-beta)(x_s - m) - (1-beta) l_s - A)
+        xs.mul_(1.0 - beta).sub_(((1.0 - beta) * ls[:, 0] + A)[:, None]).mul_(es).mul_(pi_g)
     zs[:, w:] = 0
     return J, lse
