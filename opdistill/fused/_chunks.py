@@ -31,7 +31,10 @@ MIN_CHUNK_ROWS = 32
 # Rows at which the chunk's GEMMs run at about their large-matrix rate on CPU (fp32, H = 512, V = 151,936, 2 threads,
 # GFLOP per CPU-second: 128 rows 40, 256 ~52, 512 ~60, 1024 ~61). The two-head loss runs four GEMMs per chunk and
 # nothing else of their size, so it takes chunks this tall (``min_rows``) where the top-k ops keep the byte budget.
+# A bf16 weight upcast block by block (``mm_fp32`` on CPU) runs at one rate from 256 rows up (~78 GFLOP per CPU-second
+# at 256, 512 and 1024): half the rows, half the chunk's memory.
 GEMM_ROWS = 512
+GEMM_ROWS_UPCAST = 256
 
 
 def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False, buffers: int = 1,

@@ -25,7 +25,7 @@ import torch
 from ..ops.checks import check_finite_rows, check_float, check_temperature, check_unit_interval, compute_dtype
 from ..ops.divergence import canonical
 from ..parallel.stages import divergence_step
-from ._chunks import GEMM_ROWS, LinearGrads, chunk_logits, chunk_rows
+from ._chunks import GEMM_ROWS, GEMM_ROWS_UPCAST, LinearGrads, chunk_logits, chunk_rows, needs_upcast
 from .logprobs import check_linear_inputs, weight_shard
 
 
@@ -153,8 +153,9 @@ def _jsd_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     check_temperature(temperature)
     # a chunk holds student and teacher logits and one or two exps (at V = 151,936 and the automatic 512 rows:
     # 1.2 GiB); the chunk is tall enough for the GEMMs to run at their rate (GEMM_ROWS)
+    tall = GEMM_ROWS_UPCAST if needs_upcast(student_hidden, student_weight) else GEMM_ROWS
     chunk_size = chunk_rows(chunk_size, student_hidden, student_weight,
-                            max(student_hidden.shape[-1], teacher_hidden.shape[-1]), buffers=2, min_rows=GEMM_ROWS)
+                            max(student_hidden.shape[-1], teacher_hidden.shape[-1]), buffers=2, min_rows=tall)
     shard = weight_shard(student_weight, group)
     lead = tuple(student_hidden.shape[:-1])
     return (shard, lead, student_hidden.reshape(-1, student_hidden.shape[-1]),
