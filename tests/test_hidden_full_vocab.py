@@ -204,6 +204,25 @@ def test_gradcheck_of_both_fused_ops():
                                         (hs, ws, bs), nondet_tol=1e-12)
 
 
+def test_a_teacher_head_that_requires_grad_is_held_detached_and_gets_no_gradient():
+    """A teacher model's own lm_head Parameter may be passed as it is: every back-end gives the loss of the detached
+    head (the same value) and no gradient reaches the teacher."""
+    d = data()
+    tw = torch.nn.Parameter(d["tw"].clone())
+    tb = torch.nn.Parameter(d["tb"].clone())
+    teacher = TeacherHidden(d["th"], tw, d["tscale"], tb)
+    assert not teacher.weight.requires_grad and not teacher.bias.requires_grad
+    ref_loss = reference("reverse", d)[0]
+    z = (torch.nn.functional.linear(d["h"], d["w"], d["b"]) * 2.0).requires_grad_(True)
+    loss, _ = run_full("reverse", d, z, teacher)
+    student = StudentHidden(d["h"].clone().requires_grad_(True), d["w"], d["b"], logit_scale=2.0)
+    loss_fused, _ = run_full("reverse", d, student, teacher)
+    for x in (loss, loss_fused):
+        torch.testing.assert_close(x.detach(), ref_loss, rtol=1e-10, atol=1e-10)
+    (loss + loss_fused).backward()
+    assert tw.grad is None and tb.grad is None
+
+
 def test_bad_inputs_name_what_is_wrong():
     d = data()
     m = d["mask"]

@@ -55,7 +55,8 @@ class TeacherHidden:
     ``[V, H_t]`` (this rank's contiguous rows with a vocabulary group), bias ``[V]`` or None, ``logit_scale``: the
     constant the teacher multiplies its logits by. Its logits are ``logit_scale * (hidden @ weight.T + bias)``;
     ``logits`` builds them (the unfused back-ends), ``scaled_to`` folds the scale into hidden and bias for a student
-    of another scale (the fused back-end applies one temperature to both sides)."""
+    of another scale (the fused back-end applies one temperature to both sides). The tensors are held detached: a
+    teacher model's own ``lm_head.weight`` (a Parameter) may be passed as it is, and no graph reaches it."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -64,6 +65,10 @@ class TeacherHidden:
 
     def __post_init__(self):
         _check_head(self, self.bias)
+        for name in ("hidden", "weight", "bias"):
+            x = getattr(self, name)
+            if x is not None and x.requires_grad:
+                object.__setattr__(self, name, x.detach())
 
     def logits(self) -> torch.Tensor:
         """``[..., V]`` the teacher's logits (fp32, fp64 for fp64), the GEMM in the weight's dtype."""
