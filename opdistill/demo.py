@@ -23,6 +23,7 @@ band, the mean over seeds bold (``opdistill compare``'s plotting).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def demo_config(out_dir: Path, method: str, seed: int, budget_s: float, eval_eve
                   "micro_batch_tokens": 8192},
         "eval": {"every": eval_every, "num_prompts": eval_prompts, "topk": 8},
         "checkpoint": {"every": 0, "save_final": True, "keep_last": 1},
-        "log": {"tensorboard": True, "progress": False},
+        "log": {"tensorboard": True, "progress": True},  # a bar over the run's training seconds
     }
 
 
@@ -102,7 +103,7 @@ def format_table(results: dict) -> str:
         f"sampled acc {results['teacher']['eval/sampled_acc']:.3f} (held-out, {results['eval_prompts']} problems; "
         f"[95% interval], bootstrap over problems)",
         f"budget: {results['budget_s']:.0f} s of training per run (eval excluded), seeds {results['seeds']}, "
-        f"equal-steps column at step {s_eq}",
+        f"equal-steps column at step {s_eq}" + _load_note(results),
         "",
         "| method | seed | steps | greedy acc: start -> equal time | sampled acc | teacher-KL: start -> equal time "
         f"| greedy acc @ step {s_eq} | teacher-KL @ step {s_eq} |",
@@ -139,6 +140,15 @@ def demo_figure(out_dir: str | Path, methods=METHODS, seeds=(0, 1), *, title: st
     return plot_groups(groups, list(FIGURE_METRICS), out_dir / "demo.png", title=title)
 
 
+def _load_note(results: dict) -> str:
+    """'; load average A -> B on N CPUs': how busy the machine was (the equal-time step counts depend on it)."""
+    m = results.get("machine")
+    if not m or m["start"]["load_1min"] is None:
+        return ""
+    return (f"; machine load {m['start']['load_1min']:.1f} -> {m['end']['load_1min']:.1f} on {m['start']['cpus']} "
+            f"CPUs (steps at equal time depend on it)")
+
+
 def _teacher_ci(results: dict) -> dict:
     t = results["teacher"]
     return {"acc_ci": (t.get("eval/greedy_acc_lo"), t.get("eval/greedy_acc_hi"))}
@@ -155,6 +165,34 @@ def _mean_row(rows: list[dict]) -> dict:
     return {"seed": "mean", **{k: sum(r[k] for r in rows) / len(rows) for k in keys}}
 
 
+def machine_load() -> dict:
+    """The 1-minute load average and the CPU count (the equal-time columns depend on them)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on every platform
+        load = None
+    return {"load_1min": load, "cpus": os.cpu_count()}
+
+
+def expectations(budget_s: float, seeds, methods, eval_every: int, eval_prompts: int) -> list[str]:
+    """What a user should expect before the first minute of silence: the duration, the progress shown, and why the
+    equal-time numbers depend on the machine."""
+    runs = len(seeds) * len(methods)
+    load = machine_load()
+    busy = "" if load["load_1min"] is None else (
+        f"; load now {load['load_1min']:.1f} on {load['cpus']} CPUs"
+        + (" (busy: expect fewer steps per run)" if load["load_1min"] > 0.5 * (load["cpus"] or 1) else ""))
+    return [
+        f"opdistill demo: {len(methods)} methods x {len(seeds)} seed(s), {budget_s:g} s of training each "
+        f"({runs * budget_s / 60:.1f} min of training), plus an evaluation on {eval_prompts} held-out problems every "
+        f"{eval_every} steps (the README's run with the defaults: 405 s in all on 2 CPU cores). A bar shows each "
+        f"run's training seconds.",
+        f"Equal time means each method trains {budget_s:g} s: how many steps fit depends on this machine's speed "
+        f"and load (the README's run: 80 on-policy steps; a loaded machine fitted 65), so the equal-time columns "
+        f"move with them; the equal-steps columns do not{busy}.",
+    ]
+
+
 def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds=(0, 1), methods=METHODS,
              eval_every: int = 20, eval_prompts: int = 200, threads: int | None = None, log=print) -> dict:
     threads = threads or 1  # tiny models: one thread is fastest, and 2 threads collapse under any other load
@@ -162,11 +200,15 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     check_output_path(out_dir, "--out")  # not inside a run's entries (its rotation would delete the demo's runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    for line in expectations(budget_s, seeds, methods, eval_every, eval_prompts):
+        log(line)
+    load_start = machine_load()
     base = load_config(base=demo_config(out_dir, "on_policy", seeds[0], budget_s, eval_every, eval_prompts, threads))
     torch.set_num_threads(threads)
     tok, student0, teacher = load_models(base)
     task = build_task(base)
     held_out = PromptSource(task, seeds[0], base.data.eval_seed).held_out(eval_prompts)  # the same for every run
+    log(f"evaluating the teacher on {len(held_out)} held-out problems ...")
     teacher_eval = run_eval(base, tok, teacher, LocalTeacher(teacher), task, held_out)  # the teacher itself
     log(f"teacher held-out: greedy acc {teacher_eval['eval/greedy_acc']:.3f}, "
         f"sampled acc {teacher_eval['eval/sampled_acc']:.3f}")
@@ -178,7 +220,11 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
             cfg = load_config(base=demo_config(out_dir, method, seed, budget_s, eval_every, eval_prompts, threads))
             student0.load_state_dict(start_state)
             t0 = time.time()
-            summary = run_training(cfg, overwrite=True, models=(tok, student0, teacher), quiet=True)
+            log(f"[{method} seed {seed}] training for {budget_s:g} s ...")
+            summary = run_training(cfg, overwrite=True, models=(tok, student0, teacher))
+            if summary["stopped"]:  # SIGINT/SIGTERM: the demo stops with the run (its checkpoint is kept)
+                raise KeyboardInterrupt(f"stopped by {summary['stopped']} during {method} seed {seed}; the runs so "
+                                        f"far are in {out_dir}")
             h = summary["eval_history"]
             histories[method][seed] = h
             log(f"[{method} seed {seed}] {summary['steps']} steps in {summary['train_time_s']:.1f} s train "
@@ -208,7 +254,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
                "eval_prompts": eval_prompts, "equal_steps": s_eq, "runs": table_runs,
                "differences": method_differences(out_dir, runs, s_eq),
                "histories": {m: {str(s): h for s, h in hs.items()} for m, hs in histories.items()},
-               "total_wall_s": time.time() - t_start, "threads": threads}
+               "total_wall_s": time.time() - t_start, "threads": threads,
+               "machine": {"start": load_start, "end": machine_load()}}
     table = format_table(results)
     (out_dir / "demo_table.md").write_text(table + "\n")
     (out_dir / "demo_results.json").write_text(json.dumps(results, indent=1))

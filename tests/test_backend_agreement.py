@@ -291,10 +291,6 @@ def test_dispatch_refusals():
     with pytest.raises(ValueError, match=r"^vocab_size must be an int >= 1 or None, got 0$"):
         DistillationLoss(DistillationConfig(), vocab_size=0)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    loss_fn = DistillationLoss(DistillationConfig(loss_mode="full"), vocab_group=object())  # refused before any use
-    with pytest.raises(ValueError, match=r"^loss_mode='full' with a vocabulary-sharded StudentHidden \(vocab_group "
-                                         r"set\) is not supported by the fused JSD"):
-        loss_fn(sh, TeacherHidden(torch.randn(2, 3, H), torch.randn(V, H)), mask, GlobalBatch.from_masks(mask))
     with pytest.raises(ValueError, match=r"^sampled_ids must have the shape of mask \(2, 3\), got \(2,\)$"):
         DistillationLoss(DistillationConfig(use_policy_gradient=True))(
             torch.randn(2, 3, V), TeacherTopK(torch.arange(K).expand(2, 3, K), torch.full((2, 3, K), -2.0)),

@@ -51,7 +51,8 @@ def _capture_figures(monkeypatch):
 
 def test_eval_on_a_run_dir_reports_every_metric_with_its_interval(runs, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    assert main(["eval", str(runs[0]), "eval.num_samples=2", "eval.bootstrap_resamples=300", "--out", str(out)]) == 0
+    assert main(["eval", str(runs[0]), "eval.num_samples=2", "eval.bootstrap_resamples=300", "--out", str(out),
+                 "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     report = json.loads(out.read_text())
     assert printed == report
@@ -231,7 +232,7 @@ def test_change_table_cells_from_hand_written_values(tmp_path):
 
 def test_eval_writes_per_problem_values(runs, tmp_path, capsys):
     out = tmp_path / "v.json"
-    assert main(["eval", str(runs[0]), "eval.bootstrap_resamples=0", "--values", str(out)]) == 0
+    assert main(["eval", str(runs[0]), "eval.bootstrap_resamples=0", "--values", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     vals = json.loads(out.read_text())
     assert len(vals["problems"]) == 4

@@ -558,7 +558,7 @@ def test_probe_5_training_on_a_broken_server_stops_in_one_line(broken, tmp_path,
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(c))
     assert main(["train", "--config", str(path)]) == 2  # was a ValueError traceback from the loss
-    line = _err(capsys)[-1]
+    line = next(x for x in _err(capsys) if "error:" in x)  # (then the line naming the checkpoint to resume from)
     assert re.fullmatch(rf"opdistill train: teacher service error: teacher\.url={re.escape(broken)}: POST /v1/score "
                         rf"\(step 1: \d+ rows x \d+ positions\) answered invalid scores: topk_logprobs holds 0\.5 at "
                         rf"\[1, 2\]; log-probs must be <= 0 \(tolerance 0\.001\); the server is broken or is not an "

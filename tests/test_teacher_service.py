@@ -440,7 +440,8 @@ def test_server_killed_mid_run_then_the_run_resumes(models, in_process_run, tmp_
     finally:
         stop(server)
     assert proc.returncode == 2, err[-2000:]
-    last = err.strip().splitlines()[-1]
+    last, advice = err.strip().splitlines()[-2:]  # the error, then what was kept (tests/test_trainer_interrupt.py)
+    assert advice.startswith("opdistill train: checkpoint of step ") and advice.endswith(f"--config {cfg_path} --resume")
     assert last.startswith(f"opdistill train: teacher service error: teacher.url=http://127.0.0.1:{port}: "
                            f"POST /v1/score (step ")
     assert "failed after 3 tries (ConnectError" in last

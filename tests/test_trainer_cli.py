@@ -28,7 +28,7 @@ def test_help(cmd, capsys):
 def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
     run = tmp_path / "run2"
     assert main(["train", "--config", str(cfg_file), "train.steps=3", f"run_dir={run}", "loss.divergence=reverse",
-                 "optim.lr=5e-3", "log.tensorboard=true"]) == 0
+                 "optim.lr=5e-3", "log.tensorboard=true", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 3
     rows = read_metrics(run)
@@ -47,7 +47,7 @@ def test_train_with_overrides_then_eval_plot_score(cfg_file, tmp_path, capsys):
     assert scalars == [(r["step"], pytest.approx(r["distillation/loss"], rel=1e-6)) for r in rows[1:4]]
     assert [e.step for e in events.Scalars("eval/teacher_kl")] == [0, 3]
 
-    assert main(["eval", "--config", str(cfg_file), f"run_dir={run}", "--checkpoint", "latest"]) == 0
+    assert main(["eval", "--config", str(cfg_file), f"run_dir={run}", "--checkpoint", "latest", "--json"]) == 0
     ev = json.loads(capsys.readouterr().out)
     assert {"eval/greedy_acc", "eval/sampled_acc", "eval/teacher_kl", "eval/overlap_ratio"} <= set(ev["metrics"])
 
@@ -80,3 +80,101 @@ def test_unknown_key_and_bad_value_exit_2_with_message(cfg_file, capsys):
     assert "config error" in err and "train.stepz: unknown key" in err
     assert main(["train", "--config", str(cfg_file), "rollout.temperature=-1"]) == 2
     assert "rollout.temperature: expected a number > 0, got -1" in capsys.readouterr().err
+
+
+def test_train_and_eval_print_their_files_and_a_table_for_a_person(cfg_file, tmp_path, capsys):
+    run = tmp_path / "human"
+    assert main(["train", "--config", str(cfg_file), f"run_dir={run}", "checkpoint.every=1",
+                 "log.tensorboard=true"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == [f"run folder:  {run}",
+                       f"checkpoints: {run / 'checkpoints'} (newest: step_00000002)",
+                       f"metrics:     {run / 'metrics.jsonl'} (opdistill plot {run})",
+                       f"tensorboard: {run / 'tensorboard'} (tensorboard --logdir {run / 'tensorboard'})"]
+    assert out[5].startswith("2 steps, ") and out[5].endswith(" s of training")
+    assert out[7] == "held-out evaluation at step 2 (2 evaluations in metrics.jsonl):"
+    assert out[9:11] == ["| metric | value | 95% interval |", "|---|---|---|"]
+    final = [r for r in read_metrics(run) if "eval/greedy_acc" in r][-1]
+    row = next(line for line in out if line.startswith("| eval/teacher_kl |"))
+    assert row == (f"| eval/teacher_kl | {final['eval/teacher_kl']:.4g} | [{final['eval/teacher_kl_lo']:.4g}, "
+                   f"{final['eval/teacher_kl_hi']:.4g}] |")
+    assert not any("_lo |" in line or "_hi |" in line or line.lstrip().startswith("{") for line in out)
+
+    assert main(["eval", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"checkpoint: {run / 'checkpoints' / 'step_00000002'}; 4 held-out problems, 1 sample(s) each; "
+                      f"intervals: bootstrap over problems (1000 resamples)")
+    assert out[2:4] == ["| metric | value | 95% interval |", "|---|---|---|"]
+    assert any(line.startswith("| eval/greedy_acc | ") for line in out)
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    import argparse
+
+    from opdistill.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) == {"train", "demo", "eval", "compare", "plot", "score", "export", "serve-teacher", "check"}
+    missing = []
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            positional, required = not action.option_strings, action.required
+            if not action.help or not (positional or required or "default" in action.help):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}: {action.help!r}")
+    assert missing == []
+
+
+def test_version_and_bare_opdistill_prints_the_help(capsys):
+    from opdistill import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"opdistill {__version__}\n"
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: opdistill") and "check" in out and "train" in out
+
+
+def test_check_prints_the_resolved_config_and_refuses_without_loading(cfg_file, tmp_path, capsys, monkeypatch):
+    from opdistill.train import assemble
+
+    def no_loading(*a, **k):
+        raise AssertionError("check loaded a model")
+
+    monkeypatch.setattr(assemble, "load_models", no_loading)
+    run = tmp_path / "checked"
+    for argv in (["check", "--config", str(cfg_file), f"run_dir={run}"],
+                 ["train", "--config", str(cfg_file), f"run_dir={run}", "--dry-run"]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        resolved = yaml.safe_load(out)
+        assert resolved["run_dir"] == str(run) and resolved["optim"]["weight_decay"] is not None  # defaults filled
+        assert err == (f"# ok: the config, the model folders' metadata, the data (4 held-out problems) and the teacher "
+                       f"settings pass every check made before loading; run_dir {run} is free\n")
+        assert not run.exists()  # nothing written
+    # a refusal that needs the model folders' metadata (the vocabulary), exit 2 in one line
+    assert main(["check", "--config", str(cfg_file), "loss.topk=999"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("opdistill check: config error: loss.topk") and "999" in err[0]
+
+
+def test_warnings_of_other_libraries_are_labelled_as_theirs():
+    import transformers
+
+    from opdistill.cli import _one_line_warning
+    from opdistill.errors import RunWarning
+
+    theirs = _one_line_warning("`foo` is deprecated", FutureWarning, transformers.__file__, 1)
+    assert theirs == "opdistill: warning from transformers (FutureWarning): `foo` is deprecated\n"
+    ours = _one_line_warning("skipped", RunWarning, transformers.__file__, 1)
+    assert ours == "opdistill: warning: skipped\n"
+    import opdistill.train.loop as loop
+
+    assert _one_line_warning("x", UserWarning, loop.__file__, 1) == "opdistill: warning: x\n"
+    import subprocess
+
+    assert _one_line_warning("y", ResourceWarning, subprocess.__file__, 1) == \
+        "opdistill: warning from python (ResourceWarning): y\n"

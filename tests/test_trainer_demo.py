@@ -19,9 +19,22 @@ def test_packaged_demo_models_are_small_and_load():
     assert s.config.num_hidden_layers < t.config.num_hidden_layers
 
 
-def test_demo_runs_and_writes_the_table(tmp_path):
+def test_demo_runs_and_writes_the_table(tmp_path, capfd):
     lines = []
     res = run_demo(tmp_path, budget_s=1.0, seeds=(0,), eval_every=2, eval_prompts=6, threads=1, log=lines.append)
+    # what to expect, said before the first silent minute; a progress bar over each run's training seconds
+    assert lines[0] == ("opdistill demo: 3 methods x 1 seed(s), 1 s of training each (0.1 min of training), plus an "
+                        "evaluation on 6 held-out problems every 2 steps (the README's run with the defaults: 405 s "
+                        "in all on 2 CPU cores). A bar shows each run's training seconds.")
+    assert lines[1].startswith("Equal time means each method trains 1 s: how many steps fit depends on this "
+                               "machine's speed and load")
+    assert lines[2] == "evaluating the teacher on 6 held-out problems ..."
+    assert [line for line in lines if line.endswith("training for 1 s ...")] == [
+        f"[{m} seed 0] training for 1 s ..." for m in ("on_policy", "off_policy", "rl")]
+    bars = capfd.readouterr().err
+    for m in ("on_policy", "off_policy", "rl"):
+        assert f"{m}-seed0: 100%|" in bars and "/1 s of training [" in bars
+    assert set(res["machine"]) == {"start", "end"} and res["machine"]["start"]["cpus"] >= 1
     table = (tmp_path / "demo_table.md").read_text()
     assert "| on_policy | 0 |" in table and "| off_policy | mean |" in table and "| rl | 0 |" in table
     seed_row = next(line for line in table.splitlines() if line.startswith("| on_policy | 0 |"))

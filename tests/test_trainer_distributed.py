@@ -507,7 +507,7 @@ DEMO_OVERRIDES = ["train.steps=2", "data.prompts_per_step=4", "rollout.max_new_t
 
 def test_torchrun_entry_point_on_the_demo_config(tmp_path):
     r = _torchrun("-m", "opdistill", "train", "--config", "configs/demo_carry_add.yaml",
-                  f"run_dir={tmp_path / 'w2'}", *DEMO_OVERRIDES)
+                  f"run_dir={tmp_path / 'w2'}", "--json", *DEMO_OVERRIDES)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count('"steps": 2') == 1  # rank 0 alone reports
     cfg = load_config("configs/demo_carry_add.yaml", [f"run_dir={tmp_path / 'w1'}", *DEMO_OVERRIDES])

@@ -30,10 +30,12 @@ def refused(overrides, base=BASE) -> str:
 
 
 # -- refused at load -----------------------------------------------------------------------------------------------
-def test_full_loss_mode_is_refused_by_the_trainer():
-    assert refused(["loss.loss_mode=full"]) == (
-        "loss.loss_mode: expected topk or sampled in the trainer (full needs the teacher's [tokens, vocab] logits at "
-        "every step, which the trainer does not keep), got 'full'")
+def test_full_loss_mode_needs_a_teacher_that_sends_hidden_states():
+    """Issue 22: loss_mode full trains from the teacher's hidden states (it was refused before); the sources that
+    cannot send them are refused (tests/test_hidden_payload.py has each message)."""
+    assert load_config(base=BASE, overrides=["loss.loss_mode=full"]).loss.loss_mode == "full"
+    assert refused(["loss.loss_mode=full", "teacher.engine=vllm"]).startswith(
+        "loss.loss_mode: expected topk or sampled with teacher.engine vllm")
     assert load_config(base=BASE, overrides=["train.method=rl", "loss.loss_mode=full"]).train.method == "rl"
 
 

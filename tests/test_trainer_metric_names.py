@@ -15,7 +15,7 @@ from opdistill.train.config import load_config
 from opdistill.runs.files import read_metrics
 from opdistill.train.logger import PROGRESS_KEYS
 from opdistill.train.loop import run_training
-from opdistill.runs.plot import PANELS, plot_run
+from opdistill.runs.plot import LABELS, PANELS, plot_run
 from tests.trainer_helpers import tiny_config_dict
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
@@ -101,4 +101,4 @@ def test_plot_of_an_rl_run_draws_its_loss(runs, tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (fig,) = figures
     loss_axis = fig.axes[[title for title, _ in PANELS].index("loss")]
-    assert [line.get_label() for line in loss_axis.lines] == ["policy/loss"]
+    assert [line.get_label() for line in loss_axis.lines] == [LABELS["policy/loss"]]

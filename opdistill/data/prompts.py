@@ -9,7 +9,9 @@ problems), and for generated tasks a training prompt can then coincide with a he
 
 Dataset rows (local jsonl/json/csv/parquet, a local dataset folder, or a hub name through
 ``datasets.load_dataset(name, subset, split=)``) hold a plain-string prompt or a chat-format list of
-``{"role", "content"}`` messages (TRL's conversational format, system prompts included).
+``{"role", "content"}`` messages (TRL's conversational format, system prompts included). A chat prompt that ends
+with the assistant's turn is refused, unless ``data.final_assistant: answer``: that last turn is then the reference
+answer (what the verifier checks) and the turns before it the prompt, as TRL's conversational datasets are written.
 """
 from __future__ import annotations
 
@@ -141,9 +143,10 @@ def _read_rows(path: str, *, split: str = "train", subset: str | None = None,
     return pairs
 
 
-def _messages(where: str, value: list, field: str, key: str) -> list[dict]:
+def _messages(where: str, value: list, field: str, key: str, *, final_assistant: str = "refuse") -> list[dict]:
     """A chat-format prompt checked: a non-empty list of {role, content} string pairs, not ending with the
-    assistant (the model writes that turn)."""
+    assistant (the model writes that turn). ``final_assistant="answer"``: the list must end with the assistant's
+    turn, which the caller splits off as the reference answer (:func:`_split_final_assistant`)."""
     if not value:
         raise DataError(f"{where}: {field!r} is an empty list of messages ({key}; every row needs a prompt)")
     out = []
@@ -152,16 +155,30 @@ def _messages(where: str, value: list, field: str, key: str) -> list[dict]:
             raise DataError(f"{where}: {field!r} message {j} is not a {{'role': str, 'content': str}} mapping "
                             f"(got {m!r:.80})")
         out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] == "assistant":
+    if final_assistant == "answer":
+        if out[-1]["role"] != "assistant" or len(out) < 2:
+            raise DataError(f"{where}: {field!r} does not end with an assistant message after the prompt "
+                            f"(data.final_assistant: answer takes the reference answer from that last turn)")
+        if not out[-1]["content"].strip():
+            raise DataError(f"{where}: {field!r} ends with an empty assistant message (data.final_assistant: "
+                            f"answer; every row needs an answer)")
+        if out[-2]["role"] == "assistant":
+            raise DataError(f"{where}: {field!r} ends with two assistant messages; the prompt before the answer "
+                            f"must end with the turn the model answers")
+    elif out[-1]["role"] == "assistant":
         raise DataError(f"{where}: {field!r} ends with an assistant message; a prompt ends with the turn the model "
-                        f"answers (drop the assistant reply, or put it in data.answer_field)")
+                        f"answers (set data.final_assistant: answer to take that turn as the reference answer, as "
+                        f"in TRL's conversational datasets; or drop it, or put it in data.answer_field)")
     return out
 
 
-def _text(where: str, row: dict, field: str, key: str, *, chat: bool = False):
+def _text(where: str, row: dict, field: str, key: str, *, chat: bool = False, final_assistant: str = "refuse"):
     value = row.get(field)
     if chat and isinstance(value, (list, tuple)):
-        return _messages(where, list(value), field, key)
+        return _messages(where, list(value), field, key, final_assistant=final_assistant)
+    if final_assistant == "answer" and value is not None:
+        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, expected a list of {{role, content}} "
+                        f"messages ending with the assistant's answer (data.final_assistant: answer)")
     if value is None:
         raise DataError(f"{where}: {field!r} is {'missing' if field not in row else 'null'} ({key}; every row needs it)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -211,11 +228,11 @@ class DatasetTask(Task):
     def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str | None = None, *,
                  split: str = "train", subset: str | None = None, eval_path: str | None = None,
                  eval_split: str | None = None, eval_fraction: float | None = None, answer_match: str = "math",
-                 task_field: str | None = None):
+                 task_field: str | None = None, final_assistant: str = "refuse"):
         if sum(x is not None for x in (eval_path, eval_fraction)) > 1 or (eval_fraction is not None and eval_split):
             raise ConfigError("data.eval_fraction: expected one held-out source: data.eval_path (with an optional "
                               "data.eval_split), data.eval_split alone, or data.eval_fraction")
-        self.task_field = task_field
+        self.task_field, self.final_assistant = task_field, final_assistant
         self.where, self.rows = self._load(path, prompt_field, answer_field, split, subset, "data.path")
         self.eval_where, self.eval_rows = [], []
         if eval_path is not None or eval_split is not None:
@@ -235,7 +252,8 @@ class DatasetTask(Task):
             self.eval_rows = [p for p, h in zip(self.rows, side) if h]
             self.where = [w for w, h in zip(self.where, side) if not h]
             self.rows = [p for p, h in zip(self.rows, side) if not h]
-        self.path, self.has_answers, self.answer_match = path, answer_field is not None, answer_match
+        self.path, self.answer_match = path, answer_match
+        self.has_answers = answer_field is not None or final_assistant == "answer"
         self.has_held_out = bool(self.eval_rows)
 
     def _load(self, path, prompt_field, answer_field, split, subset, key):
@@ -246,11 +264,19 @@ class DatasetTask(Task):
         for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field"),
                             (self.task_field, "routing.field")):
             if field is not None and field not in columns:
-                raise ConfigError(f"{fkey}: {field!r} is not a column of {path} (columns: {columns})")
-        rows = [Problem(prompt=_text(w, r, prompt_field, "data.prompt_field", chat=True),
-                        answer="" if answer_field is None else _text(w, r, answer_field, "data.answer_field"),
-                        task=None if self.task_field is None else _text(w, r, self.task_field, "routing.field"))
-                for w, r in pairs]
+                hint = ""
+                if fkey == "data.prompt_field" and "messages" in columns:
+                    hint = ("; chat rows in TRL's conversational format: data.prompt_field: messages, and "
+                            "data.final_assistant: answer when they end with the assistant's answer")
+                raise ConfigError(f"{fkey}: {field!r} is not a column of {path} (columns: {columns}){hint}")
+        rows = []
+        for w, r in pairs:
+            prompt = _text(w, r, prompt_field, "data.prompt_field", chat=True, final_assistant=self.final_assistant)
+            answer = "" if answer_field is None else _text(w, r, answer_field, "data.answer_field")
+            if self.final_assistant == "answer":  # the last turn is the reference, everything before it the prompt
+                prompt, answer = prompt[:-1], prompt[-1]["content"]
+            rows.append(Problem(prompt=prompt, answer=answer, task=None if self.task_field is None else
+                                _text(w, r, self.task_field, "routing.field")))
         return [w for w, _ in pairs], rows
 
     def sample(self, rng: random.Random) -> Problem:

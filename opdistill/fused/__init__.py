@@ -6,7 +6,7 @@ from ._chunks import default_chunk_size
 from .hf import (LMHead, backbone_of, causal_lm_hidden, check_lm_head, head_transform, lm_head_of, no_cache_kwargs,
                  read_lm_head)
 from .inputs import StudentHidden, TeacherHidden
-from .jsd import fused_generalized_jsd
+from .jsd import fused_generalized_jsd, fused_jsd_loss
 from .logprobs import fused_token_logprobs
 from .topk import fused_topk_divergence, fused_topk_loss
 
@@ -20,6 +20,7 @@ __all__ = [
     "default_chunk_size",
     "head_transform",
     "fused_generalized_jsd",
+    "fused_jsd_loss",
     "fused_token_logprobs",
     "fused_topk_divergence",
     "fused_topk_loss",

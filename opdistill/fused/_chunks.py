@@ -28,23 +28,31 @@ DEFAULT_CHUNK_BYTES = 128 * 2**20
 UPCAST_BLOCK_BYTES = 32 * 2**20
 # A GEMM with fewer rows than this runs far below peak; the chunk never goes below it (unless N does).
 MIN_CHUNK_ROWS = 32
+# Rows at which the chunk's GEMMs run at about their large-matrix rate on CPU (fp32, H = 512, V = 151,936, 2 threads,
+# GFLOP per CPU-second: 128 rows 40, 256 ~52, 512 ~60, 1024 ~61). The two-head loss runs four GEMMs per chunk and
+# nothing else of their size, so it takes chunks this tall (``min_rows``) where the top-k ops keep the byte budget.
+# A bf16 weight upcast block by block (``mm_fp32`` on CPU) runs at one rate from 256 rows up (~78 GFLOP per CPU-second
+# at 256, 512 and 1024): half the rows, half the chunk's memory.
+GEMM_ROWS = 512
+GEMM_ROWS_UPCAST = 256
 
 
-def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False, buffers: int = 1) -> int:
+def default_chunk_size(n_tokens: int, vocab: int, hidden: int, *, upcast: bool = False, buffers: int = 1,
+                       min_rows: int = MIN_CHUNK_ROWS) -> int:
     """Rows per chunk: as many as fit ``DEFAULT_CHUNK_BYTES`` of fp32 logits (twice that when ``upcast``: the
     low-precision weight is then converted block by block once per chunk, a cost amortised over the chunk's rows),
-    at least ``MIN_CHUNK_ROWS`` (GEMM efficiency) and, when the vocabulary is small next to the hidden size, at least
+    at least ``min_rows`` (GEMM efficiency) and, when the vocabulary is small next to the hidden size, at least
     ``hidden // 4`` rows (the chunk's GEMM then costs more than its logits buffer is worth saving); at most N.
     ``buffers``: chunk-sized logit buffers alive at once (the JSD holds student and teacher: 2), dividing the rows."""
     budget = DEFAULT_CHUNK_BYTES * (2 if upcast else 1)
     rows = max(budget // (4 * max(vocab, 1)), MIN_CHUNK_ROWS)
     if vocab < hidden:
         rows = max(rows, hidden // 4)
-    return max(1, min(n_tokens, max(rows // buffers, MIN_CHUNK_ROWS)))
+    return max(1, min(n_tokens, max(rows // buffers, min_rows)))
 
 
 def chunk_rows(chunk_size, hidden: torch.Tensor, weight: torch.Tensor, width: int | None = None,
-               buffers: int = 1) -> int:
+               buffers: int = 1, min_rows: int = MIN_CHUNK_ROWS) -> int:
     """``chunk_size`` checked (an int >= 1, or None: ``default_chunk_size`` for hidden ``[..., H]`` and weight
     ``[V, H]``; ``width``: the hidden size to plan for, default H)."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -53,7 +61,7 @@ def chunk_rows(chunk_size, hidden: torch.Tensor, weight: torch.Tensor, width: in
         return chunk_size
     H = hidden.shape[-1]
     return default_chunk_size(hidden.numel() // max(H, 1), weight.shape[0], width or H,
-                              upcast=needs_upcast(hidden, weight), buffers=buffers)
+                              upcast=needs_upcast(hidden, weight), buffers=buffers, min_rows=min_rows)
 
 
 @functools.lru_cache(maxsize=None)

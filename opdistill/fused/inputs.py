@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.checks import check_temperature
+from ..ops.checks import check_temperature, compute_dtype
 from .logprobs import check_linear_inputs
 
 
@@ -49,11 +49,36 @@ class StudentHidden:
 
 @dataclass(frozen=True)
 class TeacherHidden:
-    """An in-process teacher as final hidden states plus lm_head (for the fused full-vocabulary JSD); no gradient."""
+    """The teacher as final hidden states plus its lm_head, in place of its logits (loss_mode ``full``); no gradient.
+
+    hidden ``[..., H_t]`` (after the teacher's final norm: what a teacher sends with the hidden payload), weight
+    ``[V, H_t]`` (this rank's contiguous rows with a vocabulary group), bias ``[V]`` or None, ``logit_scale``: the
+    constant the teacher multiplies its logits by. Its logits are ``logit_scale * (hidden @ weight.T + bias)``;
+    ``logits`` builds them (the unfused back-ends), ``scaled_to`` folds the scale into hidden and bias for a student
+    of another scale (the fused back-end applies one temperature to both sides). The tensors are held detached: a
+    teacher model's own ``lm_head.weight`` (a Parameter) may be passed as it is, and no graph reaches it."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
     logit_scale: float = 1.0
+    bias: torch.Tensor | None = None
 
     def __post_init__(self):
-        _check_head(self, None)
+        _check_head(self, self.bias)
+        for name in ("hidden", "weight", "bias"):
+            x = getattr(self, name)
+            if x is not None and x.requires_grad:
+                object.__setattr__(self, name, x.detach())
+
+    def logits(self) -> torch.Tensor:
+        """``[..., V]`` the teacher's logits (fp32, fp64 for fp64), the GEMM in the weight's dtype."""
+        z = torch.nn.functional.linear(self.hidden.to(self.weight.dtype), self.weight, self.bias)
+        z = z.to(compute_dtype(self.hidden.dtype))
+        return z * self.logit_scale if self.logit_scale != 1.0 else z
+
+    def scaled_to(self, logit_scale: float) -> "TeacherHidden":
+        """The same logits with ``logit_scale`` (hidden and bias multiplied by logit_scale / its own)."""
+        c = self.logit_scale / logit_scale
+        if c == 1.0:
+            return self
+        return TeacherHidden(self.hidden * c, self.weight, logit_scale, None if self.bias is None else self.bias * c)

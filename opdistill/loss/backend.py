@@ -10,9 +10,11 @@ Every method takes the student first and returns what the plain op returns for t
     topk(student, ids, lp, *, temperature, support, divergence, beta, log_prob_min_clamp, validate) -> TopKResult
     token_logprobs(student, ids, *, temperature) -> [...]
     masked_token_logprobs(student, ids, keep, *, temperature) -> [...], 0 where keep is False
-    jsd(student, teacher, keep, *, beta, temperature) -> [...]   teacher: ``full_teacher`` (TeacherLogits, or
-                                                                  TeacherHidden for the fused back-end)
+    jsd(student, teacher, keep, *, beta, temperature) -> [...]   teacher: TeacherLogits, or TeacherHidden (the
+                                                                  teacher's hidden states and lm_head: the unfused
+                                                                  back-ends build its logits, the fused one never)
     weighted_topk(student, ids, lp, weights, ...) -> (sum_t w_t clamp(L_t), TopKResult)
+    weighted_jsd(student, teacher, keep, weights, ...) -> (sum_t w_t clamp(J_t), J)
         the fused back-end only (``None`` on the others): the gradient of a known linear aggregation is computed in
         the forward pass, while each chunk's logits are alive.
 
@@ -26,12 +28,12 @@ import dataclasses
 
 import torch
 
-from ..fused import (StudentHidden, TeacherHidden, fused_generalized_jsd, fused_token_logprobs, fused_topk_divergence,
-                     fused_topk_loss)
+from ..fused import (StudentHidden, TeacherHidden, fused_generalized_jsd, fused_jsd_loss, fused_token_logprobs,
+                     fused_topk_divergence, fused_topk_loss)
 from ..ops import generalized_jsd, token_logprobs, topk_divergence
 from ..ops.checks import check_float
 from ..parallel import vocab_parallel_generalized_jsd, vocab_parallel_token_logprobs, vocab_parallel_topk_divergence
-from ..parallel.shard import is_dtensor, zero_masked_rows
+from ..parallel.shard import VocabShard, is_dtensor, resolve_shard, zero_masked_rows
 from .signals import TeacherLogits
 
 __all__ = ["Backend", "PlainBackend", "VocabParallelBackend", "FusedBackend", "PLAIN", "select_backend"]
@@ -42,8 +44,9 @@ class Backend:
     is shared."""
 
     name = "backend"
-    full_teacher: type = TeacherLogits
+    full_teachers: tuple = (TeacherLogits, TeacherHidden)  # what loss_mode 'full' accepts as the teacher
     weighted_topk = None  # the fused back-end's one-pass supervised top-k loss; None where it does not exist
+    weighted_jsd = None  # ... and full-vocabulary JSD
 
     def tokens(self, student) -> torch.Size:
         raise NotImplementedError
@@ -72,7 +75,18 @@ def _logit_tokens(student) -> torch.Size:
     return student.shape[:-1]
 
 
-def _check_teacher_logits(student: torch.Tensor, teacher: TeacherLogits) -> torch.Tensor:
+def _teacher_logits(student: torch.Tensor, teacher) -> torch.Tensor:
+    """The teacher's logits (or this rank's shard of them) for a logits student: given, or built from its hidden
+    states and lm_head (TeacherHidden: the same columns as the student's shard)."""
+    if isinstance(teacher, TeacherHidden):
+        if teacher.hidden.shape[:-1] != student.shape[:-1]:
+            raise ValueError(f"TeacherHidden.hidden must have shape {tuple(student.shape[:-1]) + ('H',)}, got "
+                             f"{tuple(teacher.hidden.shape)}")
+        logits = teacher.logits()
+        if logits.shape[-1] != student.shape[-1]:
+            raise ValueError(f"TeacherHidden.weight has {logits.shape[-1]} rows but student has {student.shape[-1]} "
+                             f"logit columns; the JSD needs one shared vocabulary (on this rank)")
+        return logits
     if teacher.logits.shape != student.shape:
         raise ValueError(f"TeacherLogits.logits must have the shape of student {tuple(student.shape)}, got "
                          f"{tuple(teacher.logits.shape)}")
@@ -97,7 +111,7 @@ class PlainBackend(Backend):
         return token_logprobs(student, ids, temperature=temperature)
 
     def jsd(self, student, teacher, keep, *, beta, temperature):
-        t = _check_teacher_logits(student, teacher)
+        t = _teacher_logits(student, teacher)
         return generalized_jsd(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0), beta=beta,
                                temperature=temperature)
 
@@ -125,10 +139,37 @@ class VocabParallelBackend(Backend):
                                              temperature=temperature)
 
     def jsd(self, student, teacher, keep, *, beta, temperature):
-        t = _check_teacher_logits(student, teacher)
+        t = self._teacher_shard(student, teacher) if isinstance(teacher, TeacherHidden) else \
+            _teacher_logits(student, teacher)
         return vocab_parallel_generalized_jsd(torch.where(keep, student, 0.0), torch.where(keep, t, 0.0),
                                               group=self.group, vocab_size=self.vocab_size, beta=beta,
                                               temperature=temperature)
+
+
+    def _teacher_shard(self, student, teacher: TeacherHidden) -> torch.Tensor:
+        """This rank's columns of the teacher's logits, from its hidden states and the same rows of its head (a head
+        of all V rows is sliced here; padding columns hold 0 and are never read)."""
+        if is_dtensor(student):
+            raise ValueError("loss_mode='full' with a TeacherHidden needs plain logit shards with vocab_group (a "
+                             "DTensor student would need a DTensor teacher); pass the teacher's logits as a DTensor")
+        shard = resolve_shard(student, self.group, self.vocab_size, "student")
+        rows = _head_rows(teacher, shard.start, shard.width, shard.vocab_size)
+        z = rows.logits()
+        return torch.nn.functional.pad(z, (0, shard.local_width - shard.width)) if shard.local_width > shard.width \
+            else z
+
+
+def _head_rows(teacher: TeacherHidden, start: int, width: int, vocab: int) -> TeacherHidden:
+    """The teacher with only its head's rows [start, start + width) (a head of ``vocab`` rows is sliced, a head of
+    ``width`` rows is taken as this rank's already)."""
+    V = teacher.weight.shape[0]
+    if V == width and (V != vocab or start == 0):
+        return teacher
+    if V != vocab:
+        raise ValueError(f"TeacherHidden.weight has {V} rows; expected the whole vocabulary ({vocab}) or this rank's "
+                         f"{width} rows")
+    return TeacherHidden(teacher.hidden, teacher.weight[start:start + width], teacher.logit_scale,
+                         None if teacher.bias is None else teacher.bias[start:start + width])
 
 
 class FusedBackend(Backend):
@@ -137,7 +178,7 @@ class FusedBackend(Backend):
     logit multiplier is folded into the temperature (``StudentHidden.temperature``)."""
 
     name = "fused"
-    full_teacher = TeacherHidden
+    full_teachers = (TeacherHidden,)
 
     def __init__(self, group=None):
         self.group = group
@@ -160,21 +201,28 @@ class FusedBackend(Backend):
         return fused_token_logprobs(student.hidden, student.weight, ids, bias=student.bias, group=self.group,
                                     temperature=student.temperature(temperature))
 
-    def jsd(self, student: StudentHidden, teacher: TeacherHidden, keep, *, beta, temperature):
-        if self.group is not None:
-            raise ValueError(
-                "loss_mode='full' with a vocabulary-sharded StudentHidden (vocab_group set) is not supported by the "
-                "fused JSD; pass the sharded logits instead (the vocab-parallel back-end)")
+    def _pair(self, student: StudentHidden, teacher: TeacherHidden, keep):
+        """The two sides with masked rows zeroed, the teacher's logit scale folded to the student's (one
+        temperature for both), as keyword arguments of the fused JSD ops."""
         if teacher.hidden.shape[:-1] != keep.shape[:-1]:
             raise ValueError(f"TeacherHidden.hidden must have shape {tuple(keep.shape[:-1]) + ('H',)}, got "
                              f"{tuple(teacher.hidden.shape)}")
-        if student.logit_scale != teacher.logit_scale:
-            raise ValueError(
-                f"StudentHidden.logit_scale={student.logit_scale} and TeacherHidden.logit_scale="
-                f"{teacher.logit_scale} differ; the fused JSD applies one temperature to both sides")
-        return fused_generalized_jsd(torch.where(keep, student.hidden, 0.0), student.weight,
-                                     torch.where(keep, teacher.hidden, 0.0), teacher.weight, beta=beta,
-                                     temperature=student.temperature(temperature), student_bias=student.bias)
+        t = teacher.scaled_to(student.logit_scale)
+        if self.group is not None:  # the student's head rows on this rank: the teacher's same rows
+            shard = VocabShard.for_rows(student.weight.shape[0], self.group, student.weight.device)
+            t = _head_rows(t, shard.start, shard.width, shard.vocab_size)
+        return dict(student_hidden=torch.where(keep, student.hidden, 0.0), student_weight=student.weight,
+                    teacher_hidden=torch.where(keep, t.hidden, 0.0), teacher_weight=t.weight, student_bias=student.bias,
+                    teacher_bias=t.bias, group=self.group)
+
+    def jsd(self, student: StudentHidden, teacher: TeacherHidden, keep, *, beta, temperature):
+        return fused_generalized_jsd(**self._pair(student, teacher, keep), beta=beta,
+                                     temperature=student.temperature(temperature))
+
+    def weighted_jsd(self, student: StudentHidden, teacher: TeacherHidden, keep, weights, *, beta, temperature,
+                     loss_max_clamp=None):
+        return fused_jsd_loss(**self._pair(student, teacher, keep), token_weights=weights, beta=beta,
+                              temperature=student.temperature(temperature), loss_max_clamp=loss_max_clamp)
 
 
 PLAIN = PlainBackend()

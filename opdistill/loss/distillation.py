@@ -23,6 +23,7 @@ from ..metrics import MetricSums
 from ..ops.checks import check_float, check_mask
 from ..ops.policy import check_clip_ratios, ppo_clip_loss
 from ..ops.sampled import sampled_token_kl
+from ..fused import TeacherHidden
 from .backend import Backend, select_backend
 from .config import DistillationConfig
 from .signals import SIGNAL_FOR_MODE, TeacherLogits, TeacherSampled, TeacherScores, TeacherTopK
@@ -111,13 +112,22 @@ class DistillationLoss:
 
     def signal(self, scores: TeacherScores | None):
         """What this loss reads of a teacher's ``scores`` (``opdistill.teachers``): the top-k for loss_mode topk,
-        the sampled tokens' log-probs for sampled."""
+        the sampled tokens' log-probs for sampled, the final hidden states with the teacher's head for full."""
         mode = self.config.loss_mode
-        got = None if scores is None else {"topk": scores.topk, "sampled": scores.sampled_logprobs}.get(mode)
-        if got is None:
-            what = {"topk": "top-k", "sampled": "sampled-token log-probs"}.get(mode, "full distribution")
+        got = None if scores is None else {"topk": scores.topk, "sampled": scores.sampled_logprobs,
+                                           "full": scores.hidden}[mode]
+        if got is None or (mode == "full" and scores.head is None):
+            what = {"topk": "top-k", "sampled": "sampled-token log-probs"}.get(mode, "hidden states and lm_head")
             raise ValueError(f"loss_mode={mode!r} reads the teacher's {what}, which these teacher scores do not hold")
-        return got if mode == "topk" else TeacherSampled(got)
+        if mode == "topk":
+            return got
+        if mode == "sampled":
+            return TeacherSampled(got)
+        head = scores.head
+        if head.softcap is not None:
+            raise ValueError(f"loss_mode='full': the teacher ({head.model}) soft-caps its logits (c * tanh(z / c)), "
+                             f"which the hidden-state path does not implement; use loss_mode topk with this teacher")
+        return TeacherHidden(got, head.weight, head.logit_scale, head.bias)
 
     def token_logprobs(self, student, ids: torch.Tensor, mask: torch.Tensor, *, temperature: float | None = None):
         """The student's log-probs of ``ids`` where ``mask`` (0 elsewhere) at ``temperature`` (default the loss's),
@@ -161,10 +171,10 @@ class DistillationLoss:
                 "with GlobalBatch.from_masks(all micro-batch masks, group=...)"
             )
         backend = self.backend(student)
-        expected = backend.full_teacher if cfg.loss_mode == "full" else SIGNAL_FOR_MODE[cfg.loss_mode]
+        expected = backend.full_teachers if cfg.loss_mode == "full" else (SIGNAL_FOR_MODE[cfg.loss_mode],)
         if not isinstance(teacher, expected):
-            raise TypeError(f"loss_mode={cfg.loss_mode!r} needs teacher={expected.__name__}(...), got "
-                            f"{type(teacher).__name__}")
+            names = " or ".join(f"{t.__name__}(...)" for t in expected)
+            raise TypeError(f"loss_mode={cfg.loss_mode!r} needs teacher={names}, got {type(teacher).__name__}")
         lead = backend.tokens(student)
         m = check_mask(mask, "mask")
         if m.shape != lead:
@@ -204,9 +214,8 @@ class DistillationLoss:
             metrics.add_mean("distillation/abs_loss", per_token.abs(), m)
             return per_token, logprob, None
         if cfg.loss_mode == "full":
-            per_token = x.backend.jsd(x.student, x.teacher, m.unsqueeze(-1), beta=cfg.beta,
-                                      temperature=cfg.temperature)
-            return per_token, logprob, None
+            per_token, precomputed = self._full(x)
+            return per_token, logprob, precomputed
         res, precomputed = self._topk(x)
         k = x.teacher.ids.shape[-1]
         metrics.add_mean("distillation/student_mass", res.student_mass, m)
@@ -217,6 +226,25 @@ class DistillationLoss:
         metrics.add_mean("distillation/overlap_token_advantage", res.overlap_token_advantage,
                          m & (res.overlap_count > 0))
         return res.loss, logprob, precomputed
+
+    def _full(self, x: _Inputs):
+        """(the per-token full-vocabulary JSD, the aggregated loss when the back-end computed it in one pass)."""
+        cfg, keep = self.config, x.mask.unsqueeze(-1)
+        kw = dict(beta=cfg.beta, temperature=cfg.temperature)
+        if x.backend.weighted_jsd is not None and not cfg.use_policy_gradient:
+            weights = self._weights_of(x, x.student.hidden)
+            precomputed, per_token = x.backend.weighted_jsd(x.student, x.teacher, keep, weights,
+                                                            loss_max_clamp=cfg.loss_max_clamp, **kw)
+            return per_token, precomputed
+        # policy gradient reads the per-token loss detached: no graph
+        with torch.no_grad() if cfg.use_policy_gradient else contextlib.nullcontext():
+            return x.backend.jsd(x.student, x.teacher, keep, **kw), None
+
+    def _weights_of(self, x: _Inputs, like: torch.Tensor) -> torch.Tensor:
+        """Each token's weight in the aggregated objective (times its token weight): what a one-pass op needs."""
+        weights = _aggregation_weights(x.mask, self.config.loss_agg_mode, x.batch, x.agg["cu_seqlens"],
+                                       x.agg["group"], like)
+        return weights if x.weights is None else weights * x.weights.to(weights.dtype)
 
     def _topk(self, x: _Inputs):
         """(TopKResult, the aggregated loss when the back-end computed it in one pass, else None)."""
@@ -231,11 +259,7 @@ class DistillationLoss:
         if x.backend.weighted_topk is not None and not cfg.use_policy_gradient:
             # supervised: the aggregation is a known linear map, so the back-end can compute the gradient while
             # each chunk's logits are alive (no recompute in backward)
-            agg = x.agg
-            weights = _aggregation_weights(m, cfg.loss_agg_mode, x.batch, agg["cu_seqlens"], agg["group"],
-                                           x.student.hidden)
-            if x.weights is not None:
-                weights = weights * x.weights.to(weights.dtype)
+            weights = self._weights_of(x, x.student.hidden)
             precomputed, res = x.backend.weighted_topk(x.student, ids, lp, weights, loss_max_clamp=cfg.loss_max_clamp,
                                                        **kw)
             return res, precomputed

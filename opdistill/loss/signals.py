@@ -61,11 +61,17 @@ class TeacherScores:
     topk                ids / log-probs ``[B, S, K]`` (None when not asked for)
     sampled_logprobs    ``[B, S]``: the teacher's log-prob of the next token of the row (None when not asked for)
     requested_logprobs  ``[B, S, J]``: log-probs at the ids the request named (None when not asked for)
+    hidden              ``[B, S, H]``: the teacher's final hidden states (after its final norm; 0 where not scored),
+                        what ``head`` turns into its logits (SPEC 6.4; None when not asked for)
+    head                the teacher's output head for ``hidden`` (``opdistill.fused.LMHead``: weight, bias, logit
+                        scale, soft-cap), held once by the trainer
     """
 
     topk: TeacherTopK | None = None
     sampled_logprobs: torch.Tensor | None = None
     requested_logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: object = None
 
     def micro(self, rows: torch.Tensor, length: int) -> "TeacherScores":
         """The scores of rows ``rows`` (index tensor) and their first ``length`` positions (one micro-batch)."""
@@ -74,21 +80,28 @@ class TeacherScores:
 
         topk = None if self.topk is None else TeacherTopK(take(self.topk.ids), take(self.topk.logprobs),
                                                           validated=self.topk.validated)
-        return TeacherScores(topk, take(self.sampled_logprobs), take(self.requested_logprobs))
+        return TeacherScores(topk, take(self.sampled_logprobs), take(self.requested_logprobs), take(self.hidden),
+                             self.head)
 
     def to(self, device) -> "TeacherScores":
-        """Every tensor on ``device`` (itself when already there)."""
+        """Every per-row tensor on ``device`` (itself when already there); the head stays where it is held."""
         def move(x):
             return None if x is None else x.to(device)
 
         topk = None if self.topk is None else TeacherTopK(move(self.topk.ids), move(self.topk.logprobs),
                                                           validated=self.topk.validated)
-        return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs))
+        return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs), move(self.hidden),
+                             self.head)
 
     @staticmethod
-    def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores":
+    def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores | GroupedScores":
         """Scores of disjoint row subsets put back together: ``parts[i]`` scored rows ``order[n_0 + ... : ...]`` (its
-        rows, in order), so row ``order[j]`` of the result is row j of the concatenated parts."""
+        rows, in order), so row ``order[j]`` of the result is row j of the concatenated parts. Hidden states that go
+        through different heads (several teachers) cannot share one tensor: they stay apart (:class:`GroupedScores`)."""
+        if parts[0].hidden is not None and any((p.head is None) != (parts[0].head is None) or p.head is not None
+                                               and p.head.weight is not parts[0].head.weight for p in parts):
+            sizes = [p.hidden.shape[0] for p in parts]
+            return GroupedScores(tuple(zip(torch.split(order, sizes), parts)))
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel())
 
@@ -100,7 +113,29 @@ class TeacherScores:
             topk = TeacherTopK(cat([p.topk.ids for p in parts]), cat([p.topk.logprobs for p in parts]),
                                validated=all(p.topk.validated for p in parts))
         return TeacherScores(topk, cat([p.sampled_logprobs for p in parts]),
-                             cat([p.requested_logprobs for p in parts]))
+                             cat([p.requested_logprobs for p in parts]), cat([p.hidden for p in parts]),
+                             parts[0].head)
+
+
+@dataclass(frozen=True)
+class GroupedScores:
+    """The scores of disjoint groups of a batch's rows kept apart: ``parts`` = ((rows [n], TeacherScores of those n
+    rows), ...). What several teachers with different heads send as hidden states; a micro-batch reads one group."""
+
+    parts: tuple
+
+    def micro(self, rows: torch.Tensor, length: int) -> TeacherScores:
+        """As :meth:`TeacherScores.micro`, for rows of one group."""
+        for group_rows, scores in self.parts:
+            pos = {int(r): i for i, r in enumerate(group_rows.tolist())}
+            if int(rows[0]) in pos:
+                if any(int(r) not in pos for r in rows.tolist()):
+                    raise ValueError("GroupedScores.micro: the rows of one micro-batch span several groups")
+                return scores.micro(torch.tensor([pos[int(r)] for r in rows.tolist()]), length)
+        raise ValueError(f"GroupedScores.micro: row {int(rows[0])} is in no group")
+
+    def to(self, device) -> "GroupedScores":
+        return GroupedScores(tuple((rows, s.to(device)) for rows, s in self.parts))
 
 
 SIGNAL_FOR_MODE = {"topk": TeacherTopK, "sampled": TeacherSampled, "full": TeacherLogits}

@@ -2,7 +2,7 @@
 
 The per-column math is the one divergence kernel (``ops.divergence``) applied to each chunk of columns (its sum over
 the vocabulary splits into per-shard sums), run by the stages ``lse_and_gather``, ``jsd_totals`` and
-``jsd_logit_grad`` that the fused JSD shares; only the log-softmax normalisers and the per-token totals cross ranks.
+``jsd_logit_grad`` (the fused two-head ops, which own their chunks, run the one-pass ``divergence_step``); only the log-softmax normalisers and the per-token totals cross ranks.
 """
 
 from __future__ import annotations

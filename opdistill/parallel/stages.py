@@ -25,6 +25,11 @@ A rank holds the columns ``[start, start + width)`` of the vocabulary (``shard.V
 ``global_topk``  (1 collective) the student's own top-k ids: local top-k, one all_gather of [values | ids], global
   top-k of the P*k candidates.
 
+``divergence_step``  (3 collectives) the full-vocabulary KL or JSD of one chunk of both sides' logits, value and
+  logit gradient in one pass over buffers it owns: two exps per element (and a log for the JSD), the rest in place;
+  what the fused two-head ops run (their chunks are theirs to overwrite).  The vocab-parallel JSD, whose logits
+  belong to autograd and are kept for backward, runs the next two instead.
+
 ``jsd_totals`` / ``jsd_logit_grad``  (1 collective / none) the full-vocabulary JSD, student and teacher sharded alike:
     J = sum_j phi(s_j, t_j),  A = sum_j a_j  (a_j = d phi / d s_j)       one all-reduce SUM of [N, 2]
     dJ/dz_j = (1/tau) * grad * (a_j - pi_j A)                           (the log-softmax backward; no collective)
@@ -263,3 +268,90 @@ def jsd_logit_grad(shard: VocabShard, xs: torch.Tensor, xt: torch.Tensor, lse: t
             g = g / tau
         out[rows, :w] = g.to(out.dtype)
     return out
+
+
+def divergence_step(shard: VocabShard, zs: torch.Tensor, zt: torch.Tensor, tau: float, kind: str, beta: float,
+                    grad=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(J [c], lse [c, 2]) of the full-vocabulary divergence between student logits ``zs`` and teacher logits
+    ``zt`` (this rank's columns, the compute dtype, buffers the caller gives away: both are overwritten); ``kind`` the
+    ``ops.divergence.canonical`` one: "reverse" KL(pi || nu), "forward" KL(nu || pi) or "jsd" with ``beta`` strictly
+    inside (0, 1). With ``grad`` (a function of J giving the incoming gradient per row [c], e.g. a weight that is 0
+    where a clamp is active), ``zs`` holds dJ/dzs [c, Vl] (times that gradient; 0 on padding columns) on return.
+
+    With s = log pi, t = log nu (both over z / tau), e_s = exp(z_s / tau - m_s), S_s = sum e_s (likewise t):
+
+        reverse   J = sum_j pi_j (s_j - t_j)                                a_j = pi_j (s_j - t_j + 1)
+        forward   J = sum_j nu_j (t_j - s_j)                                a_j = -nu_j
+        jsd       J = sum_j beta nu_j t_j + (1-beta) pi_j s_j - M_j m_j     a_j = (1-beta) pi_j (s_j - m_j)
+                  (M = beta nu + (1-beta) pi, m = log M: TRL's mixture)
+        dJ/dz_j = (1/tau) (a_j - pi_j A),   A = sum_j a_j                   (``jsd_logit_grad``'s rule)
+
+    the values of ``ops.divergence`` and the rule of ``jsd_logit_grad`` (tests check them against both); sums of
+    probabilities that are 1 but for rounding are summed, not assumed.
+
+    The [c, Vl] work is what the KL needs and no more: the max shift in place (exact near the max, where the mass
+    is), two exps, then only unnormalised forms -- s - t = (x_s - x_t) - (l_s - l_t) with x the shifted logits and
+    l = log S, sums of e divided by S per row, the gradient's per-row factors (g / S, 1 - A - delta, ...) folded
+    into one or two passes. Reverse KL: 13 elementwise passes over the chunk and one temporary; forward: 12 and
+    two; the JSD (one log more): 21 and two. Collectives: MAX of (m_s, m_t), SUM of (S_s, S_t), SUM of (J, A) -- the three of
+    ``lse_and_gather`` + ``jsd_totals``. A mixture that underflows (M = 0, where pi and nu are 0 too) contributes
+    0: M is raised to the smallest normal number first.
+    """
+    w, c = shard.width, zs.shape[0]
+    cd, dev = zs.dtype, zs.device
+    xs, xt = zs[:, :w], zt[:, :w]
+    if tau != 1.0:
+        xs.div_(tau)
+        xt.div_(tau)
+    m = torch.stack([xs.amax(-1), xt.amax(-1)], -1) if w > 0 else torch.full((c, 2), float("-inf"), dtype=cd,
+                                                                                device=dev)
+    m = all_reduce_max_checked(m, shard)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    # x <- x - m in place (exact near the max, where the mass is), e = exp(x); nothing below builds s or t
+    # themselves: s = x_s - l_s, t = x_t - l_t with l = log S, so s - t = (x_s - x_t) - delta, delta = l_s - l_t
+    xs.sub_(m[:, 0:1])
+    xt.sub_(m[:, 1:2])
+    et = torch.exp(xt)
+    local = torch.empty((c, 2), dtype=cd, device=dev)  # this rank's (S_s, S_t)
+    local[:, 1] = et.sum(-1)
+    es = torch.exp(xs, out=et) if kind == "reverse" else torch.exp(xs)  # reverse: e_t is spent
+    local[:, 0] = es.sum(-1)
+    share = local.clone()  # the local shares of S, for the shares of sum pi and sum nu
+    S = all_reduce_(local, dist.ReduceOp.SUM, shard)
+    ls = torch.log(S)  # l_s, l_t
+    lse = m + ls
+    delta = (ls[:, 0] - ls[:, 1])[:, None]
+    p_sum, q_sum = share[:, 0] / S[:, 0], share[:, 1] / S[:, 1]  # this rank's sum pi, sum nu
+    tot = torch.empty((c, 2), dtype=cd, device=dev)
+    if kind == "reverse":  # J = sum pi (x_s - x_t) - delta sum pi,  A = J + sum pi
+        torch.sub(xs, xt, out=xt)
+        tot[:, 0] = torch.linalg.vecdot(es, xt) / S[:, 0] - delta[:, 0] * p_sum
+        tot[:, 1] = tot[:, 0] + p_sum
+    elif kind == "forward":  # J = sum nu (x_t - x_s) + delta sum nu,  A = -sum nu
+        xt.sub_(xs)
+        tot[:, 0] = torch.linalg.vecdot(et, xt) / S[:, 1] + delta[:, 0] * q_sum
+        tot[:, 1] = -q_sum
+    else:  # J = beta sum nu t + (1-beta) sum pi s - sum M m,  A = (1-beta) sum pi (s - m)
+        l_s, l_t = ls[:, 0], ls[:, 1]
+        tot[:, 0] = (beta * (torch.linalg.vecdot(et, xt) / S[:, 1] - l_t * q_sum)
+                     + (1.0 - beta) * (torch.linalg.vecdot(es, xs) / S[:, 0] - l_s * p_sum))
+        et.mul_((beta / S[:, 1])[:, None]).addcmul_(es, ((1.0 - beta) / S[:, 0])[:, None])  # M
+        et.clamp_min_(torch.finfo(cd).tiny)
+        torch.log(et, out=xt)  # m (x_t is spent)
+        tot[:, 0] -= torch.linalg.vecdot(et, xt)
+        xs.sub_(xt)  # x_s - m = s - m + l_s
+        tot[:, 1] = (1.0 - beta) * (torch.linalg.vecdot(es, xs) / S[:, 0] - l_s * p_sum)
+    all_reduce_(tot, dist.ReduceOp.SUM, shard)
+    J, A = tot[:, 0].clone(), tot[:, 1]
+    if grad is None:
+        return J, lse
+    g = grad(J).to(cd) / tau  # [c]
+    pi_g = (g / S[:, 0])[:, None]  # pi * g = e_s * pi_g
+    if kind == "reverse":  # g pi (s - t + 1 - A) = e_s pi_g ((x_s - x_t) + 1 - A - delta)
+        torch.add(xt, (1.0 - A)[:, None] - delta, out=xs).mul_(es).mul_(pi_g)
+    elif kind == "forward":  # g (pi sum nu - nu) = e_s pi_g (-A) - e_t g / S_t
+        torch.mul(es, pi_g * -A[:, None], out=xs).addcmul_(et, (-g / S[:, 1])[:, None])
+    else:  # g pi ((1-beta)(s - m) - A) = e_s pi_g ((1-beta)(x_s - m) - (1-beta) l_s - A)
+        xs.mul_(1.0 - beta).sub_(((1.0 - beta) * ls[:, 0] + A)[:, None]).mul_(es).mul_(pi_g)
+    zs[:, w:] = 0
+    return J, lse

@@ -24,7 +24,7 @@ __all__ = ["RUN_ENTRIES", "LOCK_NAME", "owner_of", "check_output_path", "output_
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
 RUN_ENTRIES = ("config.yaml", "config_history.jsonl", "inputs.json", "metrics.jsonl", "checkpoints", "tensorboard",
-               "metrics.png", "wandb", "eval")
+               "metrics.png", "teacher_heads.json", "wandb", "eval")
 LOCK_NAME = ".lock"
 
 
@@ -86,7 +86,7 @@ def write_output(path: str | os.PathLike, data: bytes | str) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # less the umask
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)

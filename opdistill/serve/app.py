@@ -16,9 +16,12 @@ Design notes
   the tokenizer fingerprint (the same fields as a teacher cache's provenance, ``opdistill.teachers.fingerprint``),
   vocabulary width, max K, dtype, the limits and the payloads. ``POST /v1/score``: a JSON body ``{"input_ids":
   [B][S], "attention_mask": [B][S], "response_mask": [B][S], "k": K or null, "temperature": 1.0, "requested_ids":
-  [P][J] (optional)}``; the answer (JSON or binary by the Accept header, ``opdistill.teachers.wire``) holds, at each
-  scored position (``response_mask[b, t + 1] == 1``, row-major), the top-K ids and log-probs, the next token's
-  log-prob and the log-probs at the requested ids, at the request's temperature (echoed).
+  [P][J] (optional), "hidden": "fp32" | "bf16" | null}``; the answer (JSON or binary by the Accept header,
+  ``opdistill.teachers.wire``) holds, at each scored position (``response_mask[b, t + 1] == 1``, row-major), the top-K
+  ids and log-probs, the next token's log-prob and the log-probs at the requested ids, at the request's temperature
+  (echoed), and with ``hidden`` the teacher's final hidden states (H numbers per position: the hidden-state payload of
+  loss_mode full). ``GET /v1/lm_head``: the teacher's output head (safetensors, with its logit scale, soft-cap and
+  SHA-256, also in ``/info`` as ``lm_head_sha256``), which turns those hidden states into the teacher's logits.
 - Exactness: the teacher scores the very tensors the client sent through ``Teacher.score``, so a request scored
   alone gets the in-process teacher's numbers bit for bit, requested ids and temperature included (one pass).
 - Batching: requests wait on an asyncio queue; a worker takes the first and merges the waiting ones with the same
@@ -48,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -59,8 +63,8 @@ from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
 from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.http import MAX_TOKEN_BYTES
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
-from opdistill.teachers.wire import (MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_result, engine_refusal, parse_accept,
-                                     to_wire)
+from opdistill.teachers.wire import (HIDDEN_DTYPES, MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_head, encode_result,
+                                     engine_refusal, head_sha256, parse_accept, to_wire)
 
 __all__ = ["TeacherService", "ServeError", "create_app", "score_rows", "LOOPBACK_HOSTS", "check_bind", "ENGINES"]
 
@@ -91,18 +95,21 @@ class BadRequest(Exception):
 
 
 def score_rows(teacher: Teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
-               k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None) -> ScoreResult:
+               k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
+               hidden: str | None = None) -> ScoreResult:
     """The answer at the scored positions (``response_mask[b, t + 1] == 1``, row-major): ``teacher`` (a
     :class:`~opdistill.teachers.LocalTeacher` or :class:`~opdistill.teachers.vllm.VllmTeacher`) scores the rows
-    exactly as the trainer's in-process teacher does; ``requested_ids`` ``[P, J]`` (one row per scored position)."""
+    exactly as the trainer's in-process teacher does; ``requested_ids`` ``[P, J]`` (one row per scored position);
+    ``hidden``: also the teacher's final hidden states, travelling as fp32 or bf16."""
     rows = Rows(input_ids, attention_mask, response_mask)
     keep = rows.scored()
     req = None
     if requested_ids is not None:
         req = torch.zeros(*keep.shape, requested_ids.shape[1], dtype=torch.long)
         req[keep] = requested_ids
-    scores = teacher.score(rows, ScoreRequest(k=k, sampled=True, requested_ids=req, temperature=temperature))
-    return to_wire(scores, keep, temperature)
+    scores = teacher.score(rows, ScoreRequest(k=k, sampled=True, requested_ids=req, temperature=temperature,
+                                              hidden=hidden is not None))
+    return to_wire(scores, keep, temperature, hidden or "fp32")
 
 
 @dataclass
@@ -114,13 +121,15 @@ class _Job:
     temperature: float
     requested_ids: torch.Tensor | None
     future: asyncio.Future = field(repr=False)
+    hidden: str | None = None  # the hidden-state payload's dtype (fp32 | bf16), or None
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.numel())
 
     def group(self):
-        return (self.k, self.temperature, None if self.requested_ids is None else self.requested_ids.shape[1])
+        return (self.k, self.temperature, None if self.requested_ids is None else self.requested_ids.shape[1],
+                self.hidden)
 
 
 class TeacherService:
@@ -147,8 +156,13 @@ class TeacherService:
         if limits["max_requested_ids"] is not None:
             max_requested_ids = min(max_requested_ids, limits["max_requested_ids"])
         self.max_requested_ids = max_requested_ids
+        # the hidden-state payload (loss_mode full): an engine that holds the model's head says so
+        self.head = teacher.head if isinstance(teacher, LocalTeacher) else None
+        head_info = {} if self.head is None else {"hidden": True, "hidden_size": int(self.head.weight.shape[1]),
+                                                  "lm_head_sha256": head_sha256(self.head.weight, self.head.bias)}
         self.info = {"model": model_id, **fingerprint, **tokenizer_fingerprint(tokenizer), "engine": self.engine,
-                     "vocab_size": self.vocab_size, "max_k": self.max_k, "max_requested_ids": max_requested_ids,
+                     **head_info, "vocab_size": self.vocab_size, "max_k": self.max_k,
+                     "max_requested_ids": max_requested_ids,
                      "fixed_temperature": limits["fixed_temperature"], "padding": limits["padding"],
                      "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"]}
 
@@ -198,7 +212,7 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
     if not isinstance(body, dict):
         raise BadRequest(400, "the body must be a JSON object")
     unknown = sorted(set(body) - {"input_ids", "attention_mask", "response_mask", "k", "temperature",
-                                  "requested_ids"})
+                                  "requested_ids", "hidden"})
     if unknown:
         raise BadRequest(400, f"unknown fields {unknown}")
     ids = _int_matrix(body, "input_ids")
@@ -236,12 +250,15 @@ def parse_request(body: dict, svc: TeacherService, max_request_tokens: int) -> d
                                   f"positions t with response_mask[b, t + 1] == 1, row-major)")
         if bool(((req < 0) | (req >= V)).any()):
             raise BadRequest(422, f"requested_ids: ids must lie in [0, {V})")
-    why = engine_refusal(svc.info, k=k, temperature=float(temperature), attention_mask=am,
+    hidden = body.get("hidden")
+    if hidden is not None and hidden not in HIDDEN_DTYPES:
+        raise BadRequest(422, f"hidden: expected one of {list(HIDDEN_DTYPES)} or null, got {hidden!r}")
+    why = engine_refusal(svc.info, k=k, temperature=float(temperature), attention_mask=am, hidden=hidden is not None,
                          num_requested=None if req is None else int(req.shape[1]))
     if why:  # what this engine cannot answer (its limits in /info; the client checks the same before sending)
         raise BadRequest(422, why)
     return dict(input_ids=ids, attention_mask=am, response_mask=rm, k=k, temperature=float(temperature),
-                requested_ids=req)
+                requested_ids=req, hidden=hidden)
 
 
 def _pad(t: torch.Tensor, S: int) -> torch.Tensor:
@@ -253,19 +270,20 @@ def run_jobs(svc: TeacherService, jobs: list[_Job]) -> list[ScoreResult]:
     if len(jobs) == 1:
         j = jobs[0]
         return [score_rows(svc.teacher, j.input_ids, j.attention_mask, j.response_mask, k=j.k,
-                           temperature=j.temperature, requested_ids=j.requested_ids)]
+                           temperature=j.temperature, requested_ids=j.requested_ids, hidden=j.hidden)]
     S = max(j.input_ids.shape[1] for j in jobs)
     cat = lambda name: torch.cat([_pad(getattr(j, name), S) for j in jobs])  # noqa: E731
     req = torch.cat([j.requested_ids for j in jobs]) if jobs[0].requested_ids is not None else None
     r = score_rows(svc.teacher, cat("input_ids"), cat("attention_mask"), cat("response_mask"), k=jobs[0].k,
-                   temperature=jobs[0].temperature, requested_ids=req)
+                   temperature=jobs[0].temperature, requested_ids=req, hidden=jobs[0].hidden)
     out, p0 = [], 0
     for j in jobs:
         p1 = p0 + int(Rows(j.input_ids, j.attention_mask, j.response_mask).scored().sum())
         sl = slice(p0, p1)
         out.append(ScoreResult(None if r.topk_ids is None else r.topk_ids[sl],
                                None if r.topk_logprobs is None else r.topk_logprobs[sl], r.next_logprobs[sl],
-                               None if r.requested_logprobs is None else r.requested_logprobs[sl], r.temperature))
+                               None if r.requested_logprobs is None else r.requested_logprobs[sl], r.temperature,
+                               hidden=None if r.hidden is None else r.hidden[sl], hidden_dtype=r.hidden_dtype))
         p0 = p1
     return out
 
@@ -323,6 +341,9 @@ def result_refusal(result: ScoreResult, parsed: dict, vocab_size: int) -> tuple[
     req = parsed["requested_ids"]
     why = answer_problem(result, positions=int(rows.scored().sum()), k=parsed["k"], vocab_size=vocab_size,
                          num_requested=None if req is None else int(req.shape[1]))
+    hidden = getattr(result, "hidden", None)
+    if why is None and hidden is not None and not np.isfinite(hidden).all():  # the client refuses them too
+        why = f"hidden holds NaN or inf at scored position {int(np.argwhere(~np.isfinite(hidden))[0, 0])}"
     if why is None:
         return None
     if parsed["temperature"] != 1.0:
@@ -402,6 +423,17 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
         return {**svc.info, "max_batch_tokens": max_batch_tokens, "max_request_tokens": max_request_tokens,
                 "max_body_bytes": max_body_bytes, "payloads": [MEDIA_JSON, MEDIA_BINARY + ";logprobs=fp32|fp16|int8"],
                 "requests": state["requests"], "batches": state["batches"]}
+
+    @app.get("/v1/lm_head")
+    async def lm_head(request: Request):
+        """The teacher's output head (safetensors: weight, bias; logit scale, soft-cap and SHA-256 in the metadata),
+        which turns the hidden-state payload into the teacher's logits: a trainer fetches it once."""
+        if (r := unauthorized(request)) is not None:
+            return r
+        if svc.head is None:
+            return JSONResponse({"detail": f"the {svc.engine} engine holds no lm_head to send (the hidden-state "
+                                           f"payload needs --engine hf)"}, status_code=404)
+        return Response(encode_head(svc.head, svc.model_id), media_type="application/octet-stream")
 
     @app.post("/v1/score")
     async def score(request: Request):

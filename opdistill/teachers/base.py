@@ -10,7 +10,8 @@ data (a composite). The trainer, the evaluation and the teacher server call only
   tags (the prompt's task or dataset column: what routing reads). Position t of a row is *scored* when token t + 1
   is a response token: only those positions are computed anywhere.
 - :class:`ScoreRequest`: what to compute at every scored position: the top-K (``k``), the log-prob of the row's own
-  next token (``sampled``), log-probs at ids the caller names (``requested_ids`` ``[B, S, J]``), at ``temperature``.
+  next token (``sampled``), log-probs at ids the caller names (``requested_ids`` ``[B, S, J]``), at ``temperature``;
+  or the teacher's final hidden states (``hidden``), which its head (``TeacherScores.head``) turns into its logits.
 - :class:`~opdistill.loss.TeacherScores`: the answer in the ``[B, S, ...]`` layout the losses read.
 - ``submit`` returns a :class:`concurrent.futures.Future` of the scores: done at once for a teacher that scores in
   this thread, running in a background thread for a remote teacher with ``overlap`` (the trainer goes on with the
@@ -20,6 +21,7 @@ data (a composite). The trainer, the evaluation and the teacher server call only
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -86,24 +88,22 @@ class ScoreRequest:
     requested_ids: torch.Tensor | None = None  # [B, S, J]
     temperature: float = 1.0
     what: str = ""
+    hidden: bool = False
 
     def __post_init__(self):
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"ScoreRequest.k: expected an int >= 1 or None, got {self.k!r}")
-        if self.k is None and not self.sampled and self.requested_ids is None:
-            raise ValueError("ScoreRequest: ask for top-k (k=...), sampled-token scores (sampled=True) or log-probs at "
-                             "requested ids (requested_ids=...)")
+        if self.k is None and not self.sampled and self.requested_ids is None and not self.hidden:
+            raise ValueError("ScoreRequest: ask for top-k (k=...), sampled-token scores (sampled=True), log-probs at "
+                             "requested ids (requested_ids=...) or hidden states (hidden=True)")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf"):
             raise ValueError(f"ScoreRequest.temperature: expected a finite number > 0, got {t!r}")
 
-    def describing(self, what: str) -> "ScoreRequest":
-        return ScoreRequest(self.k, self.sampled, self.requested_ids, self.temperature, what)
-
     def select(self, rows: torch.Tensor, what: str) -> "ScoreRequest":
         """The request for rows ``rows`` of its batch (the requested ids follow their rows)."""
         req = None if self.requested_ids is None else self.requested_ids[rows]
-        return ScoreRequest(self.k, self.sampled, req, self.temperature, what)
+        return dataclasses.replace(self, requested_ids=req, what=what)
 
 
 def done(scores: TeacherScores) -> Future:

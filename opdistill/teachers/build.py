@@ -86,10 +86,12 @@ def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
     if section.api == "vllm":  # prompt_logprobs (what it cannot do: docs/teacher_service.md)
         client = StockVllmTeacher(section.url, model=section.model, **kw)
     else:
-        client = RemoteTeacher(section.url, payload=section.payload, **kw)
+        client = RemoteTeacher(section.url, payload=section.payload, hidden_payload=section.hidden_payload, **kw)
     try:
         lc = cfg.loss
-        client.check_student(context.tokenizer, context.student, k=lc.topk if lc.loss_mode == "topk" else None)
+        check = dict(hidden=True) if lc.loss_mode == "full" and section.api != "vllm" else {}
+        client.check_student(context.tokenizer, context.student, k=lc.topk if lc.loss_mode == "topk" else None,
+                             **check)
     except BaseException:
         client.close()
         raise

@@ -295,6 +295,8 @@ class CachedTeacher(Teacher):
             return f"temperature {request.temperature:g} (the cache holds temperature-1 scores)"
         if request.requested_ids is not None:
             return "log-probs at requested ids (the cache holds the top-k and the sampled tokens' only)"
+        if request.hidden:
+            return "hidden states (loss_mode full; the cache holds top-k and sampled-token log-probs only)"
         if request.k is not None and (s.topk is None or s.topk.ids.shape[-1] != request.k):
             held = "no top-k" if s.topk is None else f"top-{s.topk.ids.shape[-1]}"
             return f"top-{request.k} (the cache holds {held})"

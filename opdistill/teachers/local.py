@@ -27,10 +27,12 @@ __all__ = ["score_teacher", "LocalTeacher"]
 @torch.no_grad()
 def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int | None = None,
                   sampled_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                  requested_ids: torch.Tensor | None = None, temperature: float = 1.0, row_chunk: int = 64,
-                  token_chunk: int = 2048) -> TeacherScores:
+                  requested_ids: torch.Tensor | None = None, temperature: float = 1.0, hidden: bool = False,
+                  row_chunk: int = 64, token_chunk: int = 2048) -> TeacherScores:
     """Teacher top-k (``k``), sampled-token (``sampled_ids`` [B, S], usually the next-token targets) and/or requested-id
-    (``requested_ids`` [B, S, J]) log-probs of a transformers causal LM ``teacher``, at ``temperature``.
+    (``requested_ids`` [B, S, J]) log-probs of a transformers causal LM ``teacher``, at ``temperature``; and/or its
+    final hidden states (``hidden``: ``[B, S, H]`` in the model's dtype, 0 where not scored; the head is not run for
+    them, so a request for hidden states alone costs the backbone only).
 
     ``positions`` [B, S] (bool or 0/1; usually the next-token response mask ``shift_for_next_token(...)[1]``): apply
     the lm_head only there. The backbone still runs over every position (attention needs them), but the
@@ -45,9 +47,9 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     whole vocabulary) slot ``j`` holds token ``j`` (ids ``0..V-1`` in vocabulary order; no ``topk``, which would be a
     full sort of every row): the same (id, log-prob) pairs bit for bit, in another order. Nothing reads the slot
     order (the losses, the overlap diagnostics, the cache and the server treat the K slots as a set)."""
-    if k is None and sampled_ids is None and requested_ids is None:
-        raise ValueError("score_teacher: ask for top-k (k=...), sampled-token scores (sampled_ids=...) or requested "
-                         "ids (requested_ids=...)")
+    if k is None and sampled_ids is None and requested_ids is None and not hidden:
+        raise ValueError("score_teacher: ask for top-k (k=...), sampled-token scores (sampled_ids=...), requested "
+                         "ids (requested_ids=...) or hidden states (hidden=True)")
     B, S = input_ids.shape
     head = read_lm_head(teacher)
     V = head.weight.shape[0]
@@ -71,6 +73,7 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     out_samp = torch.zeros(n, dtype=torch.float32) if sampled_ids is not None else None
     J = 0 if requested_ids is None else requested_ids.shape[2]
     out_req = torch.zeros(n, J, dtype=torch.float32) if requested_ids is not None else None
+    out_hidden = None  # [n, H], allocated at the first chunk (the backbone's width and dtype)
     flat_targets = sampled_ids.reshape(-1) if sampled_ids is not None else None
     flat_req = requested_ids.reshape(B * S, J) if requested_ids is not None else None
     was_training = teacher.training
@@ -87,8 +90,8 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
             lo, hi = r0 * S, (r0 + b) * S  # this row chunk in the flattened layout
             if sel is not None and not bool(sel[lo:hi].any()):
                 continue
-            hidden = backbone(input_ids=ids, attention_mask=am, **no_cache).last_hidden_state  # [b, S, H]
-            flat = hidden.reshape(b * S, -1)
+            states = backbone(input_ids=ids, attention_mask=am, **no_cache).last_hidden_state  # [b, S, H]
+            flat = states.reshape(b * S, -1)
             tgt_rows = flat_targets[lo:hi] if flat_targets is not None else None
             req_rows = flat_req[lo:hi] if flat_req is not None else None
             if sel is not None:
@@ -96,6 +99,13 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
                 flat = flat[keep.to(flat.device)]  # [n_chunk, H]: only the positions scored
                 tgt_rows = tgt_rows[keep] if tgt_rows is not None else None
                 req_rows = req_rows[keep] if req_rows is not None else None
+            if hidden:
+                if out_hidden is None:
+                    out_hidden = torch.zeros(n, flat.shape[1], dtype=flat.dtype)
+                out_hidden[done : done + flat.shape[0]] = flat.cpu()
+            if k is None and out_samp is None and out_req is None:  # hidden states alone: no head GEMM
+                done += flat.shape[0]
+                continue
             for t0 in range(0, flat.shape[0], token_chunk):
                 z = head.logits(flat[t0 : t0 + token_chunk])  # [c, V] fp32: the only vocab-wide buffer
                 if temperature != 1.0:
@@ -118,20 +128,28 @@ def score_teacher(teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor
     finally:
         if switch:
             teacher.train(was_training)
-    return _layout(B, S, k, V, whole, sel, out_ids, out_lp, out_samp, out_req)
+    if hidden and out_hidden is None:  # nothing scored: no width seen; the backbone's config says it
+        out_hidden = torch.zeros(n, backbone.config.hidden_size, dtype=head.weight.dtype)
+    return _layout(B, S, k, V, whole, sel, out_ids, out_lp, out_samp, out_req, out_hidden, head if hidden else None)
 
 
-def _layout(B, S, k, V, whole, sel, out_ids, out_lp, out_samp, out_req) -> TeacherScores:
+def _layout(B, S, k, V, whole, sel, out_ids, out_lp, out_samp, out_req, out_hidden=None, head=None) -> TeacherScores:
     """The scored rows in the ``[B, S, ...]`` layout (views when every position was scored)."""
     vocab = torch.arange(V) if whole else None
     J = None if out_req is None else out_req.shape[1]
+    hid = None
     if sel is None:  # the flattened layout itself: views, no copy
         top_ids = (vocab.expand(B * S, V).contiguous() if whole else out_ids).view(B, S, k) if k else None
         top_lp = out_lp.view(B, S, k) if k else None
         samp = out_samp.view(B, S) if out_samp is not None else None
         req = out_req.view(B, S, J) if out_req is not None else None
+        hid = out_hidden.view(B, S, -1) if out_hidden is not None else None
     else:
         top_ids = top_lp = samp = req = None
+        if out_hidden is not None:
+            hid = torch.zeros(B * S, out_hidden.shape[1], dtype=out_hidden.dtype)
+            hid[sel] = out_hidden
+            hid = hid.view(B, S, -1)
         if k:
             top_lp = torch.full((B * S, k), float("-inf"), dtype=torch.float32)
             top_lp[sel] = out_lp
@@ -150,7 +168,7 @@ def _layout(B, S, k, V, whole, sel, out_ids, out_lp, out_samp, out_req) -> Teach
             req[sel] = out_req
             req = req.view(B, S, J)
     topk = TeacherTopK(top_ids, top_lp, validated=True) if k else None  # our own scores
-    return TeacherScores(topk, samp, req)
+    return TeacherScores(topk, samp, req, hid, head)
 
 
 class LocalTeacher(Teacher):
@@ -161,8 +179,13 @@ class LocalTeacher(Teacher):
         self.model, self.key = model, key
         self.row_chunk, self.token_chunk = row_chunk, token_chunk
 
+    @property
+    def head(self):
+        """The model's lm_head as ``read_lm_head`` reads it (what turns its hidden states into its logits)."""
+        return read_lm_head(self.model)
+
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         return score_teacher(self.model, rows.input_ids, rows.attention_mask, k=request.k,
                              sampled_ids=rows.targets() if request.sampled else None, positions=rows.scored(),
                              requested_ids=request.requested_ids, temperature=request.temperature,
-                             row_chunk=self.row_chunk, token_chunk=self.token_chunk)
+                             hidden=request.hidden, row_chunk=self.row_chunk, token_chunk=self.token_chunk)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from opdistill.loss import TeacherScores
@@ -20,8 +21,8 @@ from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.base import Rows, ScoreRequest
 from opdistill.teachers.fingerprint import TOKENIZER_FIELDS, tokenizer_fingerprint
 from opdistill.teachers.http import HttpClient, HttpTeacher, TeacherServiceError
-from opdistill.teachers.wire import (LOGPROB_CODECS, MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_result,
-                                     engine_refusal, from_wire)
+from opdistill.teachers.wire import (HIDDEN_DTYPES, LOGPROB_CODECS, MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_head,
+                                     decode_result, engine_refusal, from_wire)
 
 __all__ = ["RemoteTeacher", "TeacherServiceError"]
 
@@ -36,10 +37,14 @@ class RemoteTeacher(HttpTeacher):
     the other keyword arguments are :class:`~opdistill.teachers.http.HttpClient`'s."""
 
     def __init__(self, url: str, *, payload: str = "fp32", overlap: bool = False, token_file: str | None = None,
-                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, key: str = "teacher.url"):
+                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, key: str = "teacher.url",
+                 hidden_payload: str = "fp32"):
         if payload not in ("json",) + LOGPROB_CODECS:
             raise ValueError(f"payload: expected one of json/fp32/fp16/int8, got {payload!r}")
-        self.payload, self.background, self.key = payload, overlap, key
+        if hidden_payload not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden_payload: expected one of {list(HIDDEN_DTYPES)}, got {hidden_payload!r}")
+        self.payload, self.background, self.key, self.hidden_payload = payload, overlap, key, hidden_payload
+        self._head = None
         accept = MEDIA_JSON if payload == "json" else f"{MEDIA_BINARY};logprobs={payload}"
         self.http = HttpClient(url, token_file=token_file, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                key=key, headers={"Accept": accept})
@@ -58,7 +63,30 @@ class RemoteTeacher(HttpTeacher):
         self.info = info
         return self.info
 
-    def check_student(self, tokenizer, student=None, *, k: int | None = None) -> dict:
+    @property
+    def head(self):
+        """The server teacher's output head (``GET /v1/lm_head``), fetched once: its SHA-256 checked against the
+        payload's metadata and the server's ``/info``; a soft-capped head is refused (the hidden-state path does
+        not implement soft-capping)."""
+        if self._head is None:
+            info = self.info or self.fetch_info()
+            resp = self.http.request("GET", "/v1/lm_head", "the teacher's lm_head")
+            try:
+                head, digest = decode_head(resp.content)
+            except (ValueError, KeyError) as e:
+                raise TeacherServiceError(f"{self.http.where()}: GET /v1/lm_head answered no usable head ({e})") from None
+            want = info.get("lm_head_sha256")
+            if digest != want:
+                raise TeacherServiceError(f"{self.http.where()}: the lm_head it sent (SHA-256 {digest[:12]}) is not the "
+                                          f"one its /info names ({str(want)[:12]}): the server changed its teacher")
+            if head.softcap is not None:
+                raise TeacherServiceError(f"{self.http.where()}: the server's teacher soft-caps its logits (c * tanh(z / "
+                                          f"c)), which the hidden-state payload does not implement; use loss_mode topk")
+            self.head_sha256 = digest
+            self._head = head
+        return self._head
+
+    def check_student(self, tokenizer, student=None, *, k: int | None = None, hidden: bool = False) -> dict:
         """Refuse (with a diff) a server whose tokenizer differs from the student's (the teacher cache's rules:
         vocabulary, special tokens and chat template fingerprint, size), whose vocabulary width differs from the
         student's lm_head, or whose largest K is below ``k``. Returns the server's /info."""
@@ -77,21 +105,30 @@ class RemoteTeacher(HttpTeacher):
         if k is not None and info.get("max_k") is not None and k > info["max_k"]:
             raise TeacherServiceError(f"{self.http.where()}: loss.topk={k} is above the server's max K {info['max_k']}; "
                                       f"lower loss.topk or start the server with a larger --max-k")
+        if hidden:
+            why = engine_refusal(info, k=None, temperature=1.0, num_requested=None,
+                                 attention_mask=torch.ones(1, 1, dtype=torch.long), hidden=True)
+            if why:
+                raise TeacherServiceError(f"{self.http.where()}: loss_mode full cannot be served by this server: {why}")
         return info
 
     def score_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *,
                         k: int | None, temperature: float = 1.0, requested_ids: torch.Tensor | None = None,
-                        what: str = "") -> ScoreResult:
-        """The raw answer at the scored positions (``requested_ids`` ``[P, J]``; ``opdistill.teachers.wire``)."""
+                        what: str = "", hidden: str | None = None) -> ScoreResult:
+        """The raw answer at the scored positions (``requested_ids`` ``[P, J]``; ``hidden``: also the teacher's
+        hidden states as fp32 or bf16; ``opdistill.teachers.wire``)."""
         body = {"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist(),
                 "response_mask": response_mask.tolist(), "k": k, "temperature": temperature}
+        if hidden is not None:
+            body["hidden"] = hidden
         if requested_ids is not None:
             body["requested_ids"] = requested_ids.tolist()
         B, S = input_ids.shape
         what = what or f"{B} rows x {S} positions"
         if self.info is not None:  # what the server's engine cannot answer: refused here, before sending
             why = engine_refusal(self.info, k=k, temperature=temperature, attention_mask=attention_mask,
-                                 num_requested=None if requested_ids is None else int(requested_ids.shape[1]))
+                                 num_requested=None if requested_ids is None else int(requested_ids.shape[1]),
+                                 hidden=hidden is not None)
             if why:
                 raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) cannot be served by this "
                                           f"server ({self.info.get('engine', 'hf')} engine): {why}")
@@ -110,6 +147,14 @@ class RemoteTeacher(HttpTeacher):
         if r.temperature != float(temperature):
             raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) scored at temperature "
                                       f"{r.temperature}, asked {temperature}")
+        if hidden is not None and (r.hidden is None or r.hidden.shape[0] != P):
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered no hidden states for "
+                                      f"the {P} scored positions")
+        if r.hidden is not None and not np.isfinite(r.hidden).all():
+            p = int(np.argwhere(~np.isfinite(r.hidden))[0, 0])
+            raise TeacherServiceError(f"{self.http.where()}: POST /v1/score ({what}) answered a non-finite hidden "
+                                      f"state at scored position {p} (NaN or inf): the server's teacher diverged or "
+                                      f"its weights are corrupt")
         self._check_answer(r, what, positions=P, k=k,
                            num_requested=None if requested_ids is None else int(requested_ids.shape[1]))
         return r
@@ -135,7 +180,9 @@ class RemoteTeacher(HttpTeacher):
             return TeacherScores.join(parts, torch.arange(B))
         keep = rows.scored()
         req = None if request.requested_ids is None else request.requested_ids[keep]
+        head = self.head if request.hidden else None  # fetched once, before the first hidden-state request
         r = self.score_positions(rows.input_ids, rows.attention_mask, rows.response_mask, k=request.k,
                                  temperature=request.temperature, requested_ids=req,
-                                 what=request.what or rows.describe())
-        return from_wire(r, keep, k=request.k, sampled=request.sampled)
+                                 what=request.what or rows.describe(),
+                                 hidden=self.hidden_payload if request.hidden else None)
+        return from_wire(r, keep, k=request.k, sampled=request.sampled, head=head)

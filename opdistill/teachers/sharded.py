@@ -21,6 +21,8 @@ The scores are the replicated teacher's exactly: the same row chunks (``row_chun
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -53,7 +55,7 @@ class _Scorer(torch.nn.Module):
         return score_teacher(self.teacher, rows.input_ids, rows.attention_mask, k=request.k,
                              sampled_ids=rows.targets() if request.sampled else None, positions=positions,
                              requested_ids=request.requested_ids, temperature=request.temperature,
-                             row_chunk=max(1, rows.num_rows))
+                             hidden=request.hidden, row_chunk=max(1, rows.num_rows))
 
 
 class ShardedTeacher(Teacher):
@@ -73,11 +75,24 @@ class ShardedTeacher(Teacher):
         # reshard_after_forward given explicitly: FSDP2's default keeps the root's weights gathered after forward
         fully_shard(self._root, mesh=mesh, reshard_after_forward=True)
         self.forwards = 0  # teacher forwards run on this rank (the test checks every rank ran the same number)
+        self._head = None
+
+    @property
+    def head(self):
+        """The teacher's lm_head, whole (its shards gathered once: the hidden-state payload's head)."""
+        if self._head is None:
+            from opdistill.fused import read_lm_head
+
+            h = read_lm_head(self.model)
+            full = lambda t: None if t is None else (t.full_tensor() if hasattr(t, "full_tensor") else t)  # noqa: E731
+            self._head = dataclasses.replace(h, weight=full(h.weight).detach(), bias=full(h.bias))
+        return self._head
 
     @torch.no_grad()
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         """This rank's rows, scored exactly as :class:`~opdistill.teachers.local.LocalTeacher` scores them. Every rank
         of the group must call this together (any row count, zero included)."""
+        head = self.head if request.hidden else None  # every rank at the same point: gathering it is a collective
         starts = list(range(0, rows.num_rows, self.row_chunk))
         n = torch.tensor([len(starts)], dtype=torch.long)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
@@ -89,24 +104,28 @@ class ShardedTeacher(Teacher):
                 continue
             chunk = torch.arange(starts[i], min(starts[i] + self.row_chunk, rows.num_rows))
             parts.append((chunk.numel(), self._root(rows.select(chunk), request.select(chunk, request.what))))
-        return _join(parts, rows.width, request)
+        scores = _join(parts, rows.width, request, head)
+        return dataclasses.replace(scores, head=head) if request.hidden else scores
 
 
-def _join(parts, S: int, request: ScoreRequest) -> TeacherScores:
+def _join(parts, S: int, request: ScoreRequest, head=None) -> TeacherScores:
     """The chunks' scores stacked on rows; a chunk with nothing scored holds what
     :func:`~opdistill.teachers.local.score_teacher` writes outside its ``positions`` (empty slots, 0, -inf)."""
     k, J = request.k, None if request.requested_ids is None else request.requested_ids.shape[-1]
+    H, dt = (head.weight.shape[1], head.weight.dtype) if head is not None else (0, torch.float32)
     filled = []
     for b, out in parts:
         if out is None:  # nothing scored in these b rows
             out = TeacherScores(
                 None if not k else _empty_topk(b, S, k),
                 torch.zeros(b, S) if request.sampled else None,
-                torch.full((b, S, J), float("-inf")) if J is not None else None)
-        filled.append(out)
+                torch.full((b, S, J), float("-inf")) if J is not None else None,
+                torch.zeros(b, S, H, dtype=dt) if request.hidden else None)
+        filled.append(dataclasses.replace(out, head=head))  # the gathered head, not the forward's unsharded one
     if not filled:
         return TeacherScores(_empty_topk(0, S, k) if k else None, torch.zeros(0, S) if request.sampled else None,
-                             torch.zeros(0, S, J) if J is not None else None)
+                             torch.zeros(0, S, J) if J is not None else None,
+                             torch.zeros(0, S, H, dtype=dt) if request.hidden else None)
     order = torch.arange(sum(b for b, _ in parts))
     return TeacherScores.join(filled, order)
 

@@ -63,8 +63,9 @@ class StockVllmTeacher(HttpTeacher):
             self.check_student(None)
         k, B, S = request.k, rows.num_rows, rows.width
         what = request.what or rows.describe()
-        if request.requested_ids is not None:
-            raise TeacherServiceError(f"{self.http.where()}: a stock vllm serve endpoint cannot score requested ids "
+        if request.requested_ids is not None or request.hidden:
+            asked = "requested ids" if request.requested_ids is not None else "hidden states (loss_mode full)"
+            raise TeacherServiceError(f"{self.http.where()}: a stock vllm serve endpoint cannot score {asked} "
                                       f"({what}): it returns only its top-K and the actual next token; use an "
                                       f"opdistill serve-teacher server (teacher.api=opdistill)")
         lengths = rows.attention_mask.sum(1)

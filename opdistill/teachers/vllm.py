@@ -40,6 +40,8 @@ class VllmTeacher(Teacher):
                     f"scores at temperature 1 only")
         if request.requested_ids is not None:
             return "requested ids: vLLM returns only its top-K and the actual next token, nothing at other ids"
+        if request.hidden:
+            return "hidden states (loss_mode full): vLLM's prompt log-probs carry no hidden states; use teacher.engine hf"
         if request.k is not None and request.k > self.max_k:
             return f"k={request.k} is above the engine's max_logprobs {self.max_k}"
         lengths = rows.attention_mask.sum(-1)

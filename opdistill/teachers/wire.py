@@ -45,8 +45,9 @@ import torch
 
 from opdistill.loss import TeacherScores, TeacherTopK
 
-__all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "INT8_LEVELS", "ScoreResult", "parse_accept",
-           "encode_result", "decode_result", "engine_refusal", "to_wire", "from_wire"]
+__all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "INT8_LEVELS", "HIDDEN_DTYPES", "ScoreResult",
+           "parse_accept", "encode_result", "decode_result", "engine_refusal", "to_wire", "from_wire",
+           "encode_head", "decode_head"]
 
 MEDIA_JSON = "application/json"
 MEDIA_BINARY = "application/x-opdistill-v1"
@@ -69,6 +70,8 @@ class ScoreResult:
     requested_logprobs: np.ndarray | None  # [P, J] float32
     temperature: float
     model: str = ""
+    hidden: np.ndarray | None = None  # [P, H] float32: the teacher's final hidden states (bf16 values with "bf16")
+    hidden_dtype: str = "fp32"  # how ``hidden`` travels in the binary payload: fp32 | bf16
 
 
 def parse_accept(accept: str | None) -> tuple[str, str]:
@@ -188,13 +191,29 @@ def _int8_decode(q: np.ndarray, top: np.ndarray, step: np.ndarray) -> np.ndarray
     return np.where(q == 255, np.float32(-np.inf), x).astype(np.float32)
 
 
+HIDDEN_DTYPES = ("fp32", "bf16")
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even, as torch) as little-endian uint16 bit patterns."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy() \
+        .astype("<u2")
+
+
+def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(b).astype(np.int16)).view(torch.bfloat16).float().numpy()
+
+
 def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size: int) -> bytes:
     """The answer's body in ``media`` (JSON or binary with ``codec`` log-probs)."""
     head = {"model": r.model, "temperature": r.temperature, "num_positions": int(r.next_logprobs.shape[0]),
             "k": None if r.topk_ids is None else int(r.topk_ids.shape[1]),
-            "num_requested": None if r.requested_logprobs is None else int(r.requested_logprobs.shape[1])}
+            "num_requested": None if r.requested_logprobs is None else int(r.requested_logprobs.shape[1]),
+            "hidden_size": None if r.hidden is None else int(r.hidden.shape[1])}
     if media == MEDIA_JSON:
         body = dict(head)
+        if r.hidden is not None:
+            body["hidden"] = r.hidden.astype(np.float64).tolist()  # finite: exact float32 round trip
         body["next_logprobs"] = _json_floats(r.next_logprobs)
         if r.topk_ids is not None:
             body["topk_ids"] = r.topk_ids.tolist()
@@ -229,6 +248,9 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
             arrays.append(("topk_log_tail", _log_tail(r.topk_logprobs).astype("<f2")))
     if r.requested_logprobs is not None:
         add_logprobs("requested_logprobs", r.requested_logprobs)
+    if r.hidden is not None:  # bf16: the top 16 bits of each float32 (the values are bf16 already, or rounded here)
+        head["hidden_dtype"] = r.hidden_dtype
+        arrays.append(("hidden", r.hidden.astype("<f4") if r.hidden_dtype == "fp32" else _bf16_bits(r.hidden)))
     if codec == "int8":
         head["int8_max_abs_error"] = max(bounds)
     entries, offset = [], 0
@@ -259,8 +281,11 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
         req = _from_json_floats(req, "requested_logprobs") if req is not None else None
         if req is not None and req.size == 0:
             req = req.reshape(0, d.get("num_requested") or 0)
+        hid = d.get("hidden")
+        if hid is not None:
+            hid = np.array(hid, dtype=np.float32).reshape(-1, d.get("hidden_size") or 0)
         return ScoreResult(ids, lp, _from_json_floats(d["next_logprobs"], "next_logprobs").reshape(-1), req,
-                           float(d["temperature"]), str(d.get("model", "")))
+                           float(d["temperature"]), str(d.get("model", "")), hid)
     if body[:4] != MAGIC or len(body) < 8:
         raise ValueError("not an opdistill-v1 payload (bad magic)")
     (hlen,) = struct.unpack("<I", body[4:8])
@@ -288,15 +313,20 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
     topk_lp = get_lp("topk_logprobs")
     if topk_lp is not None and "topk_log_tail" in arrays:
         topk_lp = _restore_mass(topk_lp, arrays["topk_log_tail"].astype(np.float64))
+    hid, hid_dtype = arrays.get("hidden"), head.get("hidden_dtype", "fp32")
+    if hid is not None:
+        if hid_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden_dtype {hid_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
+        hid = hid.astype(np.float32) if hid_dtype == "fp32" else _from_bf16_bits(hid)
     return ScoreResult(ids, topk_lp, get_lp("next_logprobs").reshape(-1), get_lp("requested_logprobs"),
-                       float(head["temperature"]), str(head.get("model", "")))
+                       float(head["temperature"]), str(head.get("model", "")), hid, hid_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What a server's engine can answer (its /info), checked by the server (422) and by the client before it sends
 
 def engine_refusal(info: dict, *, k: int | None, temperature: float, num_requested: int | None,
-                   attention_mask: torch.Tensor) -> str | None:
+                   attention_mask: torch.Tensor, hidden: bool = False) -> str | None:
     """Why a server whose ``/info`` is ``info`` cannot serve this request (one line), or None. The engine's limits in
     /info: ``max_k``, ``max_requested_ids`` (0: none), ``fixed_temperature`` (null: any), ``padding`` ("any", or
     "right": attention 1 on a prefix of each row) and ``max_model_len`` (null: none). A server without these fields
@@ -305,6 +335,10 @@ def engine_refusal(info: dict, *, k: int | None, temperature: float, num_request
     use = "send it to a server started with --engine hf"
     if k is not None and info.get("max_k") is not None and k > info["max_k"]:
         return f"k: {k} is above this server's max K {info['max_k']} (its --max-k); ask for at most {info['max_k']}"
+    if hidden and not info.get("hidden", False):
+        return (f"hidden: the {engine} engine cannot return the teacher's hidden states (loss_mode full); {use}"
+                if info.get("engine") else "hidden: this server does not return hidden states (an older opdistill "
+                                            "serve-teacher?); upgrade it or use loss_mode topk")
     fixed = info.get("fixed_temperature")
     if fixed is not None and float(temperature) != float(fixed):
         return (f"temperature {temperature:g}: the {engine} engine scores at temperature {fixed:g} only (its prompt "
@@ -334,19 +368,21 @@ def engine_refusal(info: dict, *, k: int | None, temperature: float, num_request
 # ---------------------------------------------------------------------------------------------------------------------
 # Between the [B, S, ...] layout of TeacherScores and the [P, ...] answer
 
-def to_wire(scores: TeacherScores, keep: torch.Tensor, temperature: float) -> ScoreResult:
+def to_wire(scores: TeacherScores, keep: torch.Tensor, temperature: float, hidden_dtype: str = "fp32") -> ScoreResult:
     """The answer at the scored positions ``keep`` [B, S] (row-major) of ``scores`` (which holds the next-token
     log-probs: the answer always carries them)."""
     top = scores.topk
     req = scores.requested_logprobs
+    hid = None if scores.hidden is None else scores.hidden[keep].float().numpy()
     return ScoreResult(None if top is None else top.ids[keep].numpy(),
                        None if top is None else top.logprobs[keep].numpy(), scores.sampled_logprobs[keep].numpy(),
-                       None if req is None else req[keep].numpy(), float(temperature))
+                       None if req is None else req[keep].numpy(), float(temperature), hidden=hid,
+                       hidden_dtype=hidden_dtype)
 
 
-def from_wire(r: ScoreResult, keep: torch.Tensor, *, k: int | None, sampled: bool) -> TeacherScores:
+def from_wire(r: ScoreResult, keep: torch.Tensor, *, k: int | None, sampled: bool, head=None) -> TeacherScores:
     """``r`` back in the ``[B, S, ...]`` layout of ``keep`` [B, S]; unscored positions hold what the loss reads as
-    nothing (module notes)."""
+    nothing (module notes). Hidden states arrive in bfloat16 or float32 as they travelled (``head``: their head)."""
     B, S = keep.shape
     topk = None
     if k:
@@ -363,4 +399,63 @@ def from_wire(r: ScoreResult, keep: torch.Tensor, *, k: int | None, sampled: boo
     if r.requested_logprobs is not None:
         req = torch.full((B, S, r.requested_logprobs.shape[1]), float("-inf"), dtype=torch.float32)
         req[keep] = torch.from_numpy(np.ascontiguousarray(r.requested_logprobs))
-    return TeacherScores(topk, samp, req)
+    hid = None
+    if r.hidden is not None:
+        dtype = torch.bfloat16 if r.hidden_dtype == "bf16" else torch.float32
+        hid = torch.zeros(B, S, r.hidden.shape[1], dtype=dtype)
+        hid[keep] = torch.from_numpy(np.ascontiguousarray(r.hidden)).to(dtype)
+    return TeacherScores(topk, samp, req, hid, head if hid is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The teacher's output head (GET /v1/lm_head): what turns the hidden-state payload into its logits
+
+HEAD_FORMAT = "opdistill-lm-head-v1"
+
+
+def head_sha256(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """SHA-256 over the head's tensors (name, dtype, shape, bytes): what a run records and checks on resume."""
+    import hashlib
+
+    from opdistill.teachers.fingerprint import hash_tensors
+
+    h = hashlib.sha256()
+    hash_tensors(h, [("weight", weight)] + ([] if bias is None else [("bias", bias)]))
+    return h.hexdigest()
+
+
+def encode_head(head, model: str = "") -> bytes:
+    """A safetensors file of the head's ``weight`` [V, H] (and ``bias``) with its logit scale, soft-cap and SHA-256
+    in the metadata (data only: nothing is unpickled on either side)."""
+    from safetensors.torch import save
+
+    tensors = {"weight": head.weight.detach().contiguous()}
+    if head.bias is not None:
+        tensors["bias"] = head.bias.detach().contiguous()
+    meta = {"format": HEAD_FORMAT, "logit_scale": repr(float(head.logit_scale)),
+            "softcap": "" if head.softcap is None else repr(float(head.softcap)), "model": model,
+            "lm_head_sha256": head_sha256(tensors["weight"], tensors.get("bias"))}
+    return save(tensors, metadata=meta)
+
+
+def decode_head(body: bytes):
+    """``encode_head``'s bytes back to an ``opdistill.fused.LMHead``, its SHA-256 checked (ValueError if not)."""
+    from safetensors.torch import load
+
+    from opdistill.fused import LMHead
+
+    if len(body) < 8:
+        raise ValueError("not a safetensors payload (too short)")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > len(body) - 8:
+        raise ValueError("not a safetensors payload (its header runs past the end)")
+    meta = json.loads(body[8 : 8 + n]).get("__metadata__") or {}
+    tensors = load(body)
+    if meta.get("format") != HEAD_FORMAT or "weight" not in tensors:
+        raise ValueError(f"not an lm_head payload (format {meta.get('format')!r})")
+    digest = head_sha256(tensors["weight"], tensors.get("bias"))
+    if digest != meta.get("lm_head_sha256"):
+        raise ValueError(f"the head's SHA-256 is {digest[:12]}, its metadata says {str(meta.get('lm_head_sha256'))[:12]}")
+    softcap = float(meta["softcap"]) if meta.get("softcap") else None
+    return LMHead(tensors["weight"], tensors.get("bias"), float(meta["logit_scale"]), softcap,
+                  meta.get("model") or "teacher"), digest

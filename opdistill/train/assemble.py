@@ -52,7 +52,7 @@ from opdistill.train.rundir import (RunDir, RunWarning, check_checkpoint_config,
                                     set_aside_evaluations)
 from opdistill.train.wandb_log import open_wandb
 
-__all__ = ["Run", "RunState", "assemble", "build_task", "load_models", "lr_lambda", "open_teacher_cache"]
+__all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "load_models", "lr_lambda", "open_teacher_cache"]
 
 
 def build_task(cfg: TrainerConfig) -> Task:
@@ -60,7 +60,8 @@ def build_task(cfg: TrainerConfig) -> Task:
     if dc.task == "dataset":
         return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
                            eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
-                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None)
+                           answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None,
+                           final_assistant=dc.final_assistant)
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
@@ -190,7 +191,8 @@ class RunState:
     nonfinite_steps: int = 0  # steps not applied because the loss or gradient norm was NaN/inf
     nonfinite_in_row: int = 0  # ... consecutively, up to this step (train.max_nonfinite_steps stops the run)
     last_eval: int = 0
-    last_save: int = 0
+    last_save: int = -1  # the step of the newest checkpoint of this run (-1: none yet)
+    eval_pending: bool = False  # the evaluation of ``step`` failed: a resumed run runs it first
 
     def __post_init__(self):
         self.eval_history = [] if self.eval_history is None else self.eval_history
@@ -200,11 +202,12 @@ class RunState:
         step = saved["step"]
         return cls(step=step, train_time=saved["train_time"], eval_history=saved.get("eval_history", []),
                    nonfinite_steps=saved.get("nonfinite_steps", 0), nonfinite_in_row=saved.get("nonfinite_in_row", 0),
-                   last_eval=step, last_save=step)
+                   last_eval=step, last_save=step, eval_pending=saved.get("eval_pending", False))
 
     def to_saved(self) -> dict:
         return {"train_time": self.train_time, "eval_history": self.eval_history, "data_position": self.step,
-                "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_row": self.nonfinite_in_row}
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_row": self.nonfinite_in_row,
+                "eval_pending": self.eval_pending}
 
     def record_eval(self, metrics: dict) -> dict:
         self.eval_history.append({"step": self.step, "train_time_s": self.train_time, **metrics})
@@ -297,6 +300,14 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
     return tok, task, source, held_out, open_teacher_cache(cfg, tok)
 
 
+def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext()) -> dict:
+    """``opdistill check`` (a dry run): every refusal :func:`assemble` makes before loading a weight (the config, the
+    process layout, the model folders' metadata, the data, the teacher cache), and nothing else: no lock, no file
+    written, no weight read. Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
+    tok, task, source, held_out, cache = _refuse_early(cfg, ctx, None)
+    return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
+
+
 def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool, accept: tuple = ()):
     """(RunDir, checkpoint to resume or None, rank 0's :class:`_Opened` or None): rank 0 alone locks the run directory
     and applies its rules; the others wait for its verdict and resume from its choice."""
@@ -353,19 +364,57 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
         rd.write_config(config_to_dict(cfg))
     logger = stack.enter_context(_closing(RunLogger(
         rd.path, start_step=state.step, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress and not quiet,
-        total_steps=cfg.train.steps, wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step))
+        total_steps=cfg.train.steps, wandb=open_wandb(cfg.log, rd.path, config_to_dict(cfg), start_step=state.step),
+        budget_s=cfg.train.max_time_s, desc=rd.path.name,
+        sigterm=False)  # the loop's StopSignals owns SIGTERM: a stop at the next step, then this logger closes
         if ctx.is_main else NullLogger()))
-    engines = stack.enter_context(_closing(open_engines(cfg, tok, student, resolve_model_path)))  # after the ckpt
-    teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
-        tokenizer=tok, student=student, models=teacher_models, mesh=ctx.mesh if ctx.enabled else None,
-        group=ctx.group, cache=cache, resolve=resolve_model_path))))
+    save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
+                             keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
+    try:
+        engines = stack.enter_context(_closing(open_engines(cfg, tok, student, resolve_model_path)))  # after the ckpt
+        teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
+            tokenizer=tok, student=getattr(student, "module", student), models=teacher_models,
+            mesh=ctx.mesh if ctx.enabled else None,
+            group=ctx.group, cache=cache, resolve=resolve_model_path))))
+    except Exception as e:  # an engine or a teacher that cannot start (a server away): the run stays resumable
+        e.checkpoint = _keep_start(cfg, ctx, ckpt, state, save)
+        raise
+    if cfg.loss.loss_mode == "full" and teachers.train is not None:  # every rank: a sharded head is gathered
+        ctx.from_main(rd.check_teacher_heads, _teacher_heads(teachers.train), ckpt is not None)
     ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
-    save = functools.partial(save_checkpoint, rd.path, model=student, optimizer=optimizer, scheduler=scheduler,
-                             keep_last=cfg.checkpoint.keep_last, tokenizer=tok, group=ctx.world_group)
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
                teachers, collect, save, config_to_dict(cfg))
+
+
+def _teacher_heads(teacher) -> dict[str, str]:
+    """{where the teacher comes from: SHA-256 of its lm_head} for the hidden-state payload (each routed member)."""
+    from opdistill.teachers.wire import head_sha256
+
+    members = getattr(teacher, "members", {"": teacher})
+    out = {}
+    for name, t in members.items():
+        head = getattr(t, "head", None)
+        if head is not None:
+            out[f"{t.key}" + (f" ({name})" if name else "")] = head_sha256(head.weight, head.bias)
+    return out
+
+
+def _keep_start(cfg: TrainerConfig, ctx: DistContext, ckpt: Path | None, state: RunState, save) -> str | None:
+    """The checkpoint a run failing before its first step can be resumed from (the teachers' messages say
+    ``--resume``): the one it resumed from, or, for a new run in one process, a checkpoint of step 0 (the start's
+    weights and optimizer); None when none can be written (under torchrun the peers may be elsewhere)."""
+    if ckpt is not None:
+        return str(ckpt)
+    if ctx.enabled:
+        return None
+    try:
+        path = save(step=0, state={**state.to_saved(), "config": config_to_dict(cfg)})
+    except Exception:  # noqa: BLE001 -- the original failure is the one to report
+        return None
+    state.last_save = 0
+    return str(path)
 
 
 class _closing:

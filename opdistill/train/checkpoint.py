@@ -44,7 +44,7 @@ import torch
 
 from opdistill.train.lora import ADAPTERS, load_adapters, save_model
 from opdistill.train.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
-                                    check_not_symlink)
+                                    check_not_symlink, follow_umask)
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint", "load_weights",
            "verify_checkpoint", "list_checkpoints", "set_aside_newer", "rng_state", "set_rng_state", "FORMAT_VERSION"]
@@ -77,9 +77,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
+def _split_state(optimizer, scheduler, rng: dict | None = None) -> tuple[dict, dict]:
     """(tensors, JSON-able dict) holding the optimizer (unless None: a sharded checkpoint keeps it in DCP),
-    scheduler and RNG states."""
+    scheduler and RNG states (``rng``: a :func:`rng_state` taken earlier; None: now)."""
     tensors, opt_scalars = {}, {}
     opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     for idx, st in opt["state"].items():
@@ -88,7 +88,7 @@ def _split_state(optimizer, scheduler) -> tuple[dict, dict]:
                 tensors[f"optimizer/{idx}/{name}"] = v.detach().cpu().contiguous().clone()
             else:
                 opt_scalars.setdefault(str(idx), {})[name] = v
-    rng = rng_state()
+    rng = rng_state() if rng is None else rng
     tensors["rng/torch"] = rng["torch"]
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
     tensors["rng/numpy_keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy())
@@ -292,21 +292,23 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int = 2,
-                    tokenizer=None, group=None) -> Path:
+                    tokenizer=None, group=None, rng: dict | None = None) -> Path:
     """Write checkpoint ``step`` atomically (``state``: JSON-able run state, e.g. training time and history); keep
     the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state. ``group``: the
-    data-parallel group of a multi-process run (every rank calls this): a sharded checkpoint (module docstring)."""
+    data-parallel group of a multi-process run (every rank calls this): a sharded checkpoint (module docstring).
+    ``rng``: the RNG states to record (:func:`rng_state` taken when the step completed; None: the current ones), for
+    a checkpoint written after a later step failed part-way."""
     from safetensors.torch import save_file
 
     if group is not None:
         return _save_sharded(run_dir, step, model, optimizer, scheduler, state, keep_last=keep_last,
-                             tokenizer=tokenizer, group=group)
+                             tokenizer=tokenizer, group=group, rng=rng)
     _check_finite(model, optimizer, step)
     tmp, final = _prepare_dirs(run_dir, step, str(os.getpid()))
     save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    tensors, meta = _split_state(optimizer, scheduler)
+    tensors, meta = _split_state(optimizer, scheduler, rng)
     save_file(tensors, str(tmp / STATE_TENSORS))
     meta = {"step": step, **state, **meta}
     (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
@@ -314,7 +316,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
 
 
 def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
-    """fsync, manifest last, rename into place, prune to ``keep_last``."""
+    """Modes as the umask says, fsync, manifest last, rename into place, prune to ``keep_last``."""
+    follow_umask(tmp)  # safetensors writes 0600
     _fsync_tree(tmp)
     _write_manifest(tmp, step, layout)  # last: a folder with a valid manifest is complete
     if _before_rename_hook is not None:
@@ -354,7 +357,7 @@ def _local(t):
 
 
 def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int, tokenizer,
-                  group) -> Path:
+                  group, rng: dict | None = None) -> Path:
     """The multi-process save: every rank writes its shards of the model and optimizer state with
     torch.distributed.checkpoint into ``dcp/`` of the temporary folder; rank 0 adds the full student as a
     transformers folder (``model.safetensors``, for ``from_pretrained`` and ``opdistill eval``), the scheduler, RNG
@@ -386,7 +389,7 @@ def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, 
         module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        tensors, meta = _split_state(None, scheduler)
+        tensors, meta = _split_state(None, scheduler, rng)
         save_file(tensors, str(tmp / STATE_TENSORS))
         meta = {"step": step, **state, **meta, "world_size": dist.get_world_size(group)}
         (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")

@@ -35,9 +35,10 @@ def needs_sampler_logprobs(cfg, engines: EngineSet | None = None) -> bool:
 
 
 def score_request(loss_cfg, what: str = "") -> ScoreRequest:
-    """What the loss ``loss_cfg`` reads of the teacher: its top-K (loss_mode topk) or the sampled tokens' log-probs."""
+    """What the loss ``loss_cfg`` reads of the teacher: its top-K (loss_mode topk), the sampled tokens' log-probs
+    (sampled) or its final hidden states, which its head turns into its full distribution (full)."""
     return ScoreRequest(k=loss_cfg.topk if loss_cfg.loss_mode == "topk" else None,
-                        sampled=loss_cfg.loss_mode == "sampled", what=what)
+                        sampled=loss_cfg.loss_mode == "sampled", hidden=loss_cfg.loss_mode == "full", what=what)
 
 
 class Collector:

@@ -2,7 +2,7 @@
 
 Every field is checked at load: types are strict (``2.5`` is not an int, ``"yes"`` is not a bool), every number is
 finite and inside its bounds, unknown keys are refused, and rules that tie sections together (a teacher for
-distillation, K for top-k, no ``full`` mode) run right after. A failure raises :class:`ConfigError` (a
+distillation, K for top-k, what the hidden-state payload of ``full`` mode cannot come from) run right after. A failure raises :class:`ConfigError` (a
 ``ValueError``) with one line that names the dotted key, what it expects and what it got, e.g.
 ``optim.lr: expected a number > 0, got 'abc'``. The ``loss`` section is the core
 :class:`opdistill.DistillationConfig`: its fields are type-checked the same way (from the dataclass's own
@@ -81,6 +81,9 @@ class DataConfig(_Section):
     path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
     answer_field: Optional[str] = None
+    # a chat prompt (list of messages) ending with the assistant's turn: refuse it, or take that turn as the reference
+    # answer and everything before it as the prompt (TRL's conversational datasets: data.prompt_field: messages)
+    final_assistant: Literal["refuse", "answer"] = "refuse"
     use_chat_template: bool = True
     prompts_per_step: int = Field(16, ge=1)
     eval_seed: int = Field(0, ge=0, le=SEED_MAX)  # the held-out set and the evaluation's sampling stream
@@ -102,6 +105,9 @@ class DataConfig(_Section):
             if getattr(self, key) is not None and self.task != "dataset":
                 raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
                                   f"problems), got {quote(getattr(self, key))} with data.task {quote(self.task)}")
+        if self.final_assistant == "answer" and self.answer_field is not None:
+            raise ConfigError(f"data.answer_field: expected null with data.final_assistant 'answer' (the answer is "
+                              f"the final assistant turn of data.prompt_field), got {quote(self.answer_field)}")
         if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
             raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
                               f"held-out rows, got {quote(self.eval_fraction)}")
@@ -227,6 +233,7 @@ class TeacherConfig(_Section):
     retries: int = Field(3, ge=0)  # retries after a failed try (connection, timeout, 5xx), backoff doubling
     backoff_s: float = Field(0.5, ge=0)  # wait before the first retry
     payload: Literal["fp32", "fp16", "int8", "json"] = "fp32"  # fp32 and json are exact
+    hidden_payload: Literal["fp32", "bf16"] = "fp32"  # loss_mode full: the hidden states on the wire (fp32: exact)
     api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
     model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
     overlap: bool = True  # the url request runs in a background thread during the student's forward (same numbers)
@@ -296,8 +303,6 @@ class TrainerConfig(_Section):
         else:
             need(bool(self.model.teacher) or self.teacher.url is not None or self.teachers is not None, "model.teacher",
                  f"a model folder (or teacher.url) for method {method}", self.model.teacher)
-            need(lc.loss_mode != "full", "loss.loss_mode", "topk or sampled in the trainer (full needs the teacher's "
-                 "[tokens, vocab] logits at every step, which the trainer does not keep)", lc.loss_mode)
             need(lc.loss_mode != "topk" or lc.topk is not None, "loss.topk",
                  "an int >= 1 with loss.loss_mode topk (the K of the teacher's top-k, e.g. 8)", lc.topk)
         if method == "off_policy":
@@ -312,8 +317,10 @@ class TrainerConfig(_Section):
                  "set only with train.method off_policy (on-policy samples cannot come from a cache)",
                  self.data.teacher_cache)
         if method == "rl" or lc.use_task_rewards:
-            need(self.data.task != "dataset" or self.data.answer_field is not None, "data.answer_field",
-                 "a column name: rewards need a verifier (method rl or loss.use_task_rewards)", self.data.answer_field)
+            need(self.data.task != "dataset" or self.data.answer_field is not None
+                 or self.data.final_assistant == "answer", "data.answer_field",
+                 "a column name (or data.final_assistant: answer): rewards need a verifier (method rl or "
+                 "loss.use_task_rewards)", self.data.answer_field)
         rc = self.rollout
         if rc.engine == "vllm" or self.teacher.engine == "vllm":
             need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",
@@ -324,6 +331,17 @@ class TrainerConfig(_Section):
             need(method != "off_policy", "rollout.engine", "hf with method off_policy (the teacher writes the samples)",
                  rc.engine)
             need(rc.min_new_tokens == 0, "rollout.min_new_tokens", "0 with rollout.engine vllm", rc.min_new_tokens)
+        if lc.loss_mode == "full" and method != "rl":  # the teacher's hidden states and lm_head (SPEC 6.4)
+            why = "topk or sampled with {} (loss_mode full reads the teacher's hidden states, which {})"
+            need(self.teacher.engine == "hf", "loss.loss_mode",
+                 why.format("teacher.engine vllm", "vLLM's prompt log-probs do not carry"), lc.loss_mode)
+            need(self.teacher.api == "opdistill", "loss.loss_mode",
+                 why.format("teacher.api vllm", "a stock vllm serve endpoint does not return"), lc.loss_mode)
+            need(self.data.teacher_cache is None, "loss.loss_mode",
+                 why.format("data.teacher_cache", "a teacher cache does not hold"), lc.loss_mode)
+            for i, t in enumerate(self.teachers or []):
+                need(t.api == "opdistill", "loss.loss_mode",
+                     why.format(f"teachers.{i}.api vllm", "a stock vllm serve endpoint does not return"), lc.loss_mode)
         if self.teacher.engine == "vllm":
             need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
                  self.teacher.engine)

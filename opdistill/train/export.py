@@ -20,7 +20,7 @@ from opdistill.train.checkpoint import load_weights, resume_checkpoint, verify_c
 from opdistill.train.config import load_config
 from opdistill.train.inputs import check_inputs, local_inputs
 from opdistill.train.lora import apply_lora, merged_model
-from opdistill.train.rundir import CheckpointError
+from opdistill.train.rundir import CheckpointError, follow_umask
 
 __all__ = ["export_run"]
 
@@ -74,6 +74,7 @@ def _export(run_dir: Path, out: Path, checkpoint: str, accept: tuple) -> Path:
             model.generation_config.save_pretrained(tmp)
         if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
             raise CheckpointError(f"{tmp}: transformers wrote no safetensors weights")
+        follow_umask(tmp)  # safetensors writes 0600: a vLLM server running as another user could not read it
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -7,8 +7,10 @@ synchronous: a step's line is on disk when ``log`` returns.
 
 TensorBoard is off the hot path: ``log`` hands the step's scalars to a background thread that owns the
 ``SummaryWriter`` (building the event protobufs is ~1 ms a step of Python), through a ``SimpleQueue``. ``close`` drains
-it; so does SIGTERM while the logger is open (the handler drains the queue, closes the writer, then hands the signal
-to the handler that was there before, so the exit status is unchanged).
+it. A logger used on its own (``sigterm=True``, the default) also drains it on SIGTERM (the handler drains the queue,
+closes the writer, then hands the signal to the handler that was there before, so the exit status is unchanged).
+The trainer passes ``sigterm=False``: its own handler (train/interrupt.py) turns SIGTERM into a stop at the next
+step, after which the logger is closed, and drained, like at any other end.
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ class _TensorBoardThread:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None, wandb=None):
+                 total_steps: int | None = None, wandb=None, sigterm: bool = True, budget_s: float | None = None,
+                 desc: str = "train"):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops the lines written after its checkpoint, so the file reads like one uninterrupted run.
@@ -78,15 +81,21 @@ class RunLogger:
                 self.tb = _TensorBoardThread(self.run_dir / "tensorboard", purge_step=start_step + 1)
             except ImportError:  # tensorboard is an optional extra
                 self.tb = None
-            if self.tb is not None and threading.current_thread() is threading.main_thread():
+            if sigterm and self.tb is not None and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
                 self._sigterm_installed = True
         self.wandb = wandb  # a train.wandb_log.WandbLogger (log.wandb), or None
         self.bar = None
+        self.budget_s = budget_s  # train.max_time_s: the bar counts training seconds, not steps (their count is open)
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            if budget_s is not None:
+                self.bar = tqdm(total=round(budget_s, 1), desc=desc, unit="s", dynamic_ncols=True,
+                                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training "
+                                           "[{elapsed}{postfix}]")
+            else:
+                self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -99,16 +108,20 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(step, metrics)
         if self.bar is not None:
-            post = {}
+            post = {"step": step} if self.budget_s is not None else {}
             for key, short in PROGRESS_KEYS:
                 if key in metrics and metrics[key] is not None:
                     post[short] = f"{metrics[key]:.4g}"
             if post:
                 self.bar.set_postfix(post, refresh=False)
 
-    def advance(self) -> None:
+    def advance(self, train_time: float | None = None) -> None:
+        """One step done (``train_time``: the run's training seconds so far, for a bar over ``budget_s``)."""
         if self.bar is not None:
-            self.bar.update(1)
+            if self.budget_s is None:
+                self.bar.update(1)
+            elif train_time is not None:
+                self.bar.update(round(min(train_time, self.budget_s), 1) - self.bar.n)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -143,7 +156,7 @@ class NullLogger:
     def log(self, step: int, metrics: dict) -> None:
         pass
 
-    def advance(self) -> None:
+    def advance(self, train_time: float | None = None) -> None:
         pass
 
     def close(self) -> None:

@@ -19,18 +19,22 @@ excluded), which is how the demo gives every method the same wall-clock budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from opdistill.runs.values import summarize, values_to_json
 from opdistill.train.assemble import Run, RunState, assemble, build_task, load_models
+from opdistill.train.checkpoint import rng_state
 from opdistill.train.config import TrainerConfig
 from opdistill.train.distributed import DistContext, init_distributed
 from opdistill.train.evaluate import evaluate_values, gather_values
+from opdistill.train.interrupt import StopSignals
 from opdistill.train.rundir import NonFiniteError, atomic_write_text
 from opdistill.train.step import train_step
 
@@ -57,7 +61,7 @@ def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: Dis
 
 def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
     n = cfg.train.max_nonfinite_steps
-    last = f"step {state.last_save}" if state.last_save else "none yet"
+    last = f"step {state.last_save}" if state.last_save >= 0 else "none yet"
     return NonFiniteError(
         f"step {state.step}: the loss or gradient norm was NaN/inf for {state.nonfinite_in_row} steps in a row "
         f"(train.max_nonfinite_steps={n}); none of them was applied and the run is stopped (last checkpoint: {last}). "
@@ -67,19 +71,28 @@ def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
 
 def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = False, models=None,
                  quiet: bool = False, accept_changed: tuple = ()) -> dict:
-    """Train as configured; returns a summary (steps, time, eval history). ``models`` = (tok, student, teacher)
-    already loaded (``teacher``: a model, or {name: model} for ``teachers``).
+    """Train as configured; returns a summary (steps, time, eval history, the run folder and its last checkpoint;
+    ``stopped``: the signal's name when SIGINT/SIGTERM stopped the run early, else None). ``models`` = (tok,
+    student, teacher) already loaded (``teacher``: a model, or {name: model} for ``teachers``).
 
     ``resume``: continue the run in ``cfg.run_dir`` from its newest intact checkpoint (allowed config changes only);
     ``overwrite``: delete the run in ``cfg.run_dir`` first. Without either, a ``run_dir`` holding a run is refused
     (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md). ``accept_changed``: input names
-    (``teacher``, ``data.path``, ...) whose change since the run started a resume accepts (train/inputs.py)."""
+    (``teacher``, ``data.path``, ...) whose change since the run started a resume accepts (train/inputs.py).
+
+    Stopping (docs/reliability.md): a first SIGINT/SIGTERM (main thread) stops the run after the step in progress
+    and writes that step's checkpoint; a second raises :class:`~opdistill.train.interrupt.Aborted` at once. A step
+    that fails part-way in one process (the teacher, an engine or the data raises while the step is collected or
+    scored, before its update) writes the checkpoint of the last completed step, then raises with the error's
+    ``checkpoint`` attribute naming it; a failing evaluation writes the step's checkpoint with the evaluation
+    pending (a resumed run evaluates first)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     with init_distributed(cfg) as ctx, ExitStack() as stack:  # world size 1 without torchrun: no process group
         run = assemble(cfg, ctx, stack, resume=resume, overwrite=overwrite, models=models, quiet=quiet,
                        accept_changed=accept_changed)
-        return _loop(run)
+        with StopSignals() as stop:
+            return _loop(run, stop)
 
 
 def _evaluate(run: Run) -> dict:
@@ -89,17 +102,98 @@ def _evaluate(run: Run) -> dict:
         values_path=run.rd.path / "eval" / f"step_{run.state.step:06d}.json"))
 
 
-def _save(run: Run) -> None:
-    run.save(step=run.state.step, state={**run.state.to_saved(), "config": run.config_dict})
-    run.state.last_save = run.state.step
+def _save(run: Run, kept: "_Completed | None" = None) -> Path:
+    """The checkpoint of the current step, or of ``kept`` (the last completed step, when a later one failed before
+    its update: the weights, optimizer and scheduler are still that step's)."""
+    state, rng = (run.state, None) if kept is None else (kept.state, kept.rng)
+    path = run.save(step=state.step, state={**state.to_saved(), "config": run.config_dict}, rng=rng)
+    run.state.last_save = state.step
+    return path
 
 
-def _loop(run: Run) -> dict:
-    """The steps, one straight line each: collect -> update -> log -> evaluate every N -> checkpoint every N."""
+@dataclass
+class _Completed:
+    """What a checkpoint of the last completed step records besides the weights (the run state, the RNG states at
+    the point the loop would have saved), and where the loop is: ``phase`` "step" (collecting, scoring, updating the
+    next step: the weights are still this one's), "eval" (evaluating ``run.state.step``, its update applied) or
+    "after" (syncing, logging, saving: nothing is saved after a failure there)."""
+
+    state: RunState = None
+    rng: dict = None
+    phase: str = "step"
+    metrics: dict | None = None  # in phase "eval" after a step: the step's metrics, not yet logged
+
+    def capture(self, run: Run) -> None:
+        s = run.state
+        self.state, self.rng = dataclasses.replace(s, eval_history=list(s.eval_history)), rng_state()
+        self.phase, self.metrics = "step", None
+
+
+def _loop(run: Run, stop: StopSignals) -> dict:
+    """The steps (``_steps``), the final evaluation and checkpoint, and what a stop or a failure keeps."""
+    cfg, state = run.cfg, run.state
+    progress = _Completed()
+    progress.capture(run)
+    try:
+        stopped = _steps(run, stop, progress)
+        if stopped and state.last_save != state.step:  # the checkpoint of the last completed step, no final eval
+            _save(run)
+        if not stopped:
+            if cfg.eval.num_prompts and (state.eval_pending or state.last_eval != state.step):
+                progress.phase = "eval"
+                run.logger.log(state.step, _evaluate(run))
+                state.eval_pending = False
+            progress.phase = "after"
+            if cfg.checkpoint.save_final and state.last_save != state.step:
+                _save(run)
+    except NonFiniteError:  # its message names the last checkpoint; resuming would meet the same numbers
+        raise
+    except Exception as e:
+        # one process: save what is complete; under torchrun the peers may wait in a collective: name what exists
+        e.checkpoint = _save_after_failure(run, progress) if not run.ctx.enabled else _checkpoint_path(run)
+        raise
+    return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
+            "final_eval": state.eval_history[-1] if state.eval_history else {}, "run_dir": str(run.rd.path),
+            "checkpoint": _checkpoint_path(run), "stopped": stop.signal_name if stopped else None,
+            "exit_code": 128 + (stop.signum or 15) if stopped else 0}
+
+
+def _checkpoint_path(run: Run) -> str | None:
+    s = run.state.last_save
+    return None if s < 0 else str(run.rd.checkpoints / f"step_{s:08d}")
+
+
+def _save_after_failure(run: Run, progress: _Completed) -> str | None:
+    """After an exception in phase "step": the checkpoint of the last completed step (unless written already); in
+    phase "eval": the step's checkpoint with the evaluation pending. Returns the newest checkpoint, or None; a save
+    that fails itself is left out (the original error is the one to report)."""
+    state = run.state
+    try:
+        if progress.phase == "eval":  # the update is applied: this step's checkpoint, its evaluation pending
+            if progress.metrics is not None:
+                run.logger.log(state.step, progress.metrics)  # the step's own line, as the uninterrupted run has it
+            state.eval_pending = True
+            return str(_save(run))
+        if progress.phase == "step" and progress.state.step != state.last_save:
+            return str(_save(run, progress))
+    except Exception:  # noqa: BLE001 -- a disk or NaN refusal: report the original failure, name what exists
+        pass
+    return _checkpoint_path(run)
+
+
+def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
+    """The steps, one straight line each: collect -> update -> log -> evaluate every N -> checkpoint every N.
+    Returns True when a signal stopped them early (``stop``)."""
     cfg, ctx, state, logger = run.cfg, run.ctx, run.state, run.logger
-    if state.step == 0 and cfg.eval.num_prompts and cfg.eval.at_start:
-        logger.log(0, _evaluate(run))
+    if state.eval_pending or (state.step == 0 and not state.eval_history and cfg.eval.at_start):
+        if cfg.eval.num_prompts:  # at the start, or the evaluation a failure left pending (resumed)
+            progress.phase = "eval"
+            logger.log(state.step, _evaluate(run))
+            state.eval_pending = False
     while state.step < cfg.train.steps:
+        progress.capture(run)
+        if stop.requested(ctx):  # the safe point: between steps (a collective under torchrun)
+            return True
         if cfg.train.max_time_s is not None and state.train_time >= cfg.train.max_time_s:
             break
         state.step += 1
@@ -110,6 +204,7 @@ def _loop(run: Run) -> dict:
                                   micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=cfg.optim.grad_clip,
                                   bf16=cfg.train.bf16, fused_lm_head=cfg.train.fused_lm_head, group=ctx.group,
                                   mismatch=run.engines.mismatch))
+        progress.phase = "after"
         run.engines.sync(run.student)  # the new weights into a vLLM student engine, in place
         state.count_update(applied=not metrics["train/nonfinite"])
         metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
@@ -123,14 +218,11 @@ def _loop(run: Run) -> dict:
             logger.log(state.step, metrics)
             raise _stop_nonfinite(cfg, state)
         if cfg.eval.every and state.step % cfg.eval.every == 0 and cfg.eval.num_prompts:
+            progress.phase, progress.metrics = "eval", dict(metrics)
             metrics.update(_evaluate(run))
         logger.log(state.step, metrics)
-        logger.advance()
+        logger.advance(state.train_time)
+        progress.phase = "after"
         if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
             _save(run)
-    if state.last_eval != state.step and cfg.eval.num_prompts:
-        logger.log(state.step, _evaluate(run))
-    if cfg.checkpoint.save_final and state.last_save != state.step:
-        _save(run)
-    return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
-            "final_eval": state.eval_history[-1] if state.eval_history else {}}
+    return False

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from opdistill import TeacherScores
+from opdistill.loss import GroupedScores, TeacherScores
 from opdistill.errors import ConfigError
 
 __all__ = ["run_device", "place_models", "data_to"]
@@ -64,6 +64,6 @@ def _to(v, device: torch.device):
         return v.to(device)
     if isinstance(v, dict):
         return {k: _to(x, device) for k, x in v.items()}
-    if isinstance(v, TeacherScores):
+    if isinstance(v, (TeacherScores, GroupedScores)):
         return v.to(device)
     return v

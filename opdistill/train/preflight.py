@@ -197,13 +197,15 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
             check_compatible(tokenizer, t.tokenizer, student.model, t.model)
         except IncompatibleModelsError as e:
             raise IncompatibleModelsError(f"{t.key}: " + str(e).removeprefix("model.teacher: ")) from None
-    if cfg.train.fused_lm_head:
-        from opdistill.fused import head_transform
-
-        config = student.model.config if hasattr(student.model, "get_output_embeddings") else student.model
-        if head_transform(config)[1] is not None:
-            raise ConfigError("train.fused_lm_head: the student soft-caps its logits (c * tanh(z / c)), which the "
-                              "fused lm_head path does not implement; set train.fused_lm_head=false")
+    if cfg.train.fused_lm_head and _softcap(student) is not None:
+        raise ConfigError("train.fused_lm_head: the student soft-caps its logits (c * tanh(z / c)), which the "
+                          "fused lm_head path does not implement; set train.fused_lm_head=false")
+    if cfg.loss.loss_mode == "full" and cfg.train.method != "rl":  # the teacher's logits from its hidden states
+        for t in teachers + ([student] if cfg.model.teacher == "self" else []):
+            if _softcap(t) is not None:
+                raise ConfigError(f"loss.loss_mode: full reads the teacher's logits from its hidden states and "
+                                  f"lm_head, and {t.key} soft-caps its logits (c * tanh(z / c)), which that path does "
+                                  f"not implement; use loss_mode topk with this teacher")
     tp = cfg.distributed.tp_size
     vocab = output_width(student.model, scoring=False)
     if tp > 1 and world > 1 and vocab < tp:
@@ -221,6 +223,14 @@ def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) ->
         raise ConfigError(f"eval.num_prompts: the held-out set has {held_out} problem(s), fewer than the "
                           f"{dp} data-parallel ranks; with model.teacher_sharded every rank evaluates at least one "
                           f"(add held-out rows, or set eval.num_prompts=0)")
+
+
+def _softcap(info: ModelInfo):
+    """The soft-cap a model (or its config) applies to its logits, or None (an unknown head transform is refused)."""
+    from opdistill.fused import head_transform
+
+    config = info.model.config if hasattr(info.model, "get_output_embeddings") else info.model
+    return head_transform(config)[1]
 
 
 def check_routing(cfg: TrainerConfig, task: Task) -> None:

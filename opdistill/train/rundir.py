@@ -34,7 +34,8 @@ from opdistill.yaml12 import dump_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
-           "read_jsonl", "check_checkpoint_config", "flatten_config", "set_aside_evaluations", "append_history"]
+           "read_jsonl", "check_checkpoint_config", "flatten_config", "set_aside_evaluations", "append_history",
+           "follow_umask"]
 
 # Keys that may change when a run is resumed (fnmatch patterns over dotted keys): how long to train, what to evaluate
 # and log, how often to save, how many threads and how big a micro-batch (the gradient is the same, tested). Everything
@@ -82,8 +83,9 @@ def check_not_symlink(path: Path) -> None:
                        f"(replace it with a regular file or folder, or use another run_dir)")
 
 
-def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` with ``O_NOFOLLOW``: a symlink at ``path`` is refused with :class:`RunError`."""
+def open_nofollow(path: Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` with ``O_NOFOLLOW``: a symlink at ``path`` is refused with :class:`RunError`. A new file gets
+    ``mode`` less the umask (0666: as ``open`` gives)."""
     try:
         return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
     except OSError as e:
@@ -107,6 +109,31 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the OS tells it (/proc/self/status on Linux; elsewhere
+    the classic set-and-restore)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give ``path`` (a file, or every file under a folder; links are left alone) the mode a new file gets from
+    ``open``: 0666 less the umask. safetensors writes its files 0600 (through a private temporary file), so weights
+    would be the only files of a run or an export that another user (a vLLM server, a teammate) cannot read."""
+    mode = 0o666 & ~current_umask()
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in files:
+        if not p.is_symlink():
+            os.chmod(p, mode)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -173,6 +200,21 @@ class RunDir:
     def write_config(self, cfg_dict: dict) -> None:
         """The run's config, written once when a fresh run starts."""
         atomic_write_text(self.config_path, dump_yaml(cfg_dict))  # reads back the same under YAML 1.1 and 1.2
+
+    def check_teacher_heads(self, heads: dict[str, str], resume: bool) -> None:
+        """The SHA-256 of every teacher head the run's hidden-state payload goes through (``{where: sha}``):
+        recorded at a fresh start (``teacher_heads.json``), compared on resume, where a different head (another
+        teacher behind the same url or folder) is refused naming it."""
+        path = self.path / "teacher_heads.json"
+        if resume and path.exists():
+            old = json.loads(path.read_text())
+            diff = [f"{k}: was {old.get(k, 'none')[:12]}, now {v[:12]}" for k, v in heads.items() if old.get(k) != v]
+            if diff:
+                raise RunError(f"--resume: the teacher's lm_head changed since the run started ({'; '.join(diff)}); "
+                               f"the hidden-state loss would now distill another teacher: resume with the teacher "
+                               f"the run started with, or start a new run")
+        if heads and not (resume and path.exists()):
+            atomic_write_text(path, json.dumps(heads, sort_keys=True) + "\n")
 
     def effective_config(self, load) -> dict:
         """The run's config as last resumed: ``config.yaml`` (read through ``load``, so new schema keys get their
