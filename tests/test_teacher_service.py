@@ -418,6 +418,26 @@ def test_two_training_steps_through_the_server(models, server, in_process_run, p
             assert abs(loss - ref) <= bound * abs(ref)
 
 
+def test_union_support_through_the_server_equals_in_process(models, server):
+    """loss.support union (issue 22): the student's top-k and sampled token go to the teacher as requested ids; two
+    steps through the server (fp32) give the in-process run's losses bit for bit, and differ from the tail loss on
+    the teacher's top-k alone (the union adds buckets)."""
+    tmp, cfg, token_file = models
+    runs = {}
+    for name, extra in (("union_in_process", {}), ("union_remote", {"teacher": {"url": server, "payload": "fp32",
+                                                                                  "token_file": str(token_file)}}),
+                        ("tail_in_process", {})):
+        c = dict(cfg, run_dir=str(tmp / name), **extra)
+        c["train"] = dict(cfg["train"], steps=2)
+        c["eval"] = dict(cfg["eval"], num_prompts=0)
+        c["loss"] = dict(cfg["loss"], support="tail" if name.startswith("tail") else "union", divergence="reverse")
+        run_training(load_config(base=c), quiet=True)
+        runs[name] = _losses(c["run_dir"])
+    assert [s for s, *_ in runs["union_remote"]] == [1, 2]
+    assert runs["union_remote"] == runs["union_in_process"]
+    assert runs["tail_in_process"][0][1] != runs["union_in_process"][0][1]
+
+
 def test_server_killed_mid_run_then_the_run_resumes(models, in_process_run, tmp_path):
     tmp, cfg, _ = models
     port = free_port()

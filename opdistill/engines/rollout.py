@@ -32,6 +32,7 @@ class RolloutBatch:
     sampler_logprobs: torch.Tensor  # [B, S] fp32: row t = sampler log-prob of token t+1 (0 where not a response token)
     prompt_index: list[int]  # which prompt of the call each row answers (rows of one prompt form a GRPO group)
     texts: list[str] | None  # decoded responses, special tokens removed (None when not asked for)
+    sampler_topk: torch.Tensor | None = None  # [B, S, K] int64: row t = the top-K ids of token t+1's distribution
 
     @property
     def num_rows(self) -> int:
@@ -39,8 +40,10 @@ class RolloutBatch:
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]] | None,
-               prompt_index: list[int], texts: list[str] | None, pad_id: int) -> RolloutBatch:
-    """Right-padded [B, S] layout of prompt + response rows (the next-token convention for log-probs)."""
+               prompt_index: list[int], texts: list[str] | None, pad_id: int,
+               response_topk: list[list[list[int]]] | None = None) -> RolloutBatch:
+    """Right-padded [B, S] layout of prompt + response rows (the next-token convention for log-probs and the
+    sampler's top-K ids: row t describes token t + 1; id 0 where no response token follows)."""
     B = len(prompts)
     S = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -54,19 +57,28 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], response_lo
         resp[i, len(p):n] = 1
         if response_logprobs is not None and r:
             lps[i, len(p) - 1 : n - 1] = torch.tensor(response_logprobs[i], dtype=torch.float32)
-    return RolloutBatch(ids, attn, resp, lps, prompt_index, texts)
+    top = None
+    if response_topk is not None:
+        K = max((len(row[0]) for row in response_topk if row), default=1)
+        top = torch.zeros(B, S, K, dtype=torch.long)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            if r:
+                top[i, len(p) - 1 : len(p) + len(r) - 1] = torch.tensor(response_topk[i], dtype=torch.long)
+    return RolloutBatch(ids, attn, resp, lps, prompt_index, texts, top)
 
 
 def generate_rollouts(model, tokenizer, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0,
                       top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
                       greedy: bool = False, batch_size: int | None = None, seed: int | None = None, step: int = 0,
-                      prompt_offset: int = 0, want_logprobs: bool = True, want_texts: bool = True) -> RolloutBatch:
+                      prompt_offset: int = 0, want_logprobs: bool = True, want_texts: bool = True,
+                      want_topk: int = 0) -> RolloutBatch:
     """Sample ``n`` responses per prompt (``greedy``: one argmax response each) and lay them out for training.
 
     Sampling is keyed (``opdistill.engines.sampler``): sample ``j`` of ``prompts[i]`` is fixed by ``(seed, step,
     prompt_offset + i, j)``, whatever the batch size or the process that draws it. ``seed=None`` draws a seed from
     torch's global generator (so ``torch.manual_seed`` still makes a call reproducible). ``want_logprobs=False``
-    leaves ``sampler_logprobs`` zero; ``want_texts=False`` leaves ``texts`` None.
+    leaves ``sampler_logprobs`` zero; ``want_texts=False`` leaves ``texts`` None; ``want_topk`` K > 0 fills
+    ``sampler_topk`` with the top-K ids of each response token's distribution.
     """
     if not greedy and (top_p < 1.0 or top_k > 0):
         warnings.warn(
@@ -88,6 +100,6 @@ def generate_rollouts(model, tokenizer, prompts: list[list[int]], *, n: int = 1,
                  greedy=greedy, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                  min_new_tokens=min_new_tokens, seed=seed, step=step,
                  prompt_keys=range(prompt_offset, prompt_offset + len(prompts)), batch_size=batch_size,
-                 want_logprobs=want_logprobs, tokenizer=tokenizer if want_texts else None)
+                 want_logprobs=want_logprobs, tokenizer=tokenizer if want_texts else None, want_topk=want_topk)
     return make_batch([prompts[i] for i in out.prompt_index], out.tokens, out.logprobs, out.prompt_index,
-                      out.texts, pad_id)
+                      out.texts, pad_id, out.topk_ids)

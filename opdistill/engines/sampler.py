@@ -20,6 +20,9 @@ Design notes
   distribution in fp32 at the sampled token: neither the EOS mask of ``min_new_tokens`` nor a truncation is applied
   to them, so they equal what a fresh forward of prompt + response gives (the old-policy log-probs the losses use).
   Only the log-sum-exp is computed, and only when asked.
+- ``want_topk`` K: the K most likely ids of the model's distribution at each generated token (the logits' top-K,
+  which no temperature changes; ties in the order ``torch.topk`` gives): what a union-support loss asks the
+  teacher to score, read off the logits the decoding computes anyway.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Samples:
     sample_index: list[int]  # j: which sample of its prompt
     logprobs: list[list[float]] | None  # sampler log-prob of each generated token (want_logprobs)
     texts: list[str] | None  # decoded responses, special tokens removed (tokenizer given)
+    topk_ids: list[list[list[int]]] | None = None  # the top-K ids of the distribution of each generated token
 
 
 def row_key(seed: int, step: int, prompt_key: int, sample_index: int) -> int:
@@ -307,12 +311,13 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
            max_new_tokens: int = 64, min_new_tokens: int = 0, seed: int = 0, step: int = 0,
            prompt_keys: Sequence[int] | None = None, batch_size: int | None = None, want_logprobs: bool = False,
            tokenizer=None, forward_hook=None,
-           lean_decode: bool = True) -> Samples:
+           lean_decode: bool = True, want_topk: int = 0) -> Samples:
     """Draw ``n`` responses per prompt (``greedy``: one argmax response each) with the keyed decode loop.
 
     ``prompt_keys[i]`` is the key of ``prompts[i]`` (default: ``i``); with ``seed`` and ``step`` it fixes every
     sample's randomness. ``batch_size`` is the number of prompts prefilled and decoded together (default: all).
     ``tokenizer``: decode the texts too. ``forward_hook(rows)`` (tests) is called before every forward.
+    ``want_topk`` K > 0: also the top-K ids of each generated token's distribution (module notes).
     """
     from transformers import DynamicCache
 
@@ -328,6 +333,9 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     batch_size = batch_size or max(len(prompts), 1)
     tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]
     logprobs: list[list[float]] | None = [[] for _ in tokens] if want_logprobs else None
+    if isinstance(want_topk, bool) or not isinstance(want_topk, int) or want_topk < 0:
+        raise ValueError(f"want_topk must be an int >= 0, got {want_topk!r}")
+    topk_ids: list[list[list[int]]] | None = [[] for _ in tokens] if want_topk else None
     lean = _lean_decoder(model) if lean_decode else None
     was_training = model.training
     model.eval()
@@ -386,10 +394,14 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                     tok = (choose - noise[:, t % block]).argmax(dim=-1)
                 tok_list = tok.tolist()
                 lp_list = (scaled.gather(-1, tok[:, None])[:, 0] - lse).tolist() if want_logprobs else None
+                top_list = (torch.topk(scaled, min(want_topk, scaled.shape[-1]), dim=-1).indices.tolist()
+                            if want_topk else None)
                 for r, o in enumerate(out_rows):
                     tokens[o].append(tok_list[r])
                     if lp_list is not None:
                         logprobs[o].append(lp_list[r])
+                    if top_list is not None:
+                        topk_ids[o].append(top_list[r])
                 if t + 1 == max_new_tokens:
                     break
                 keep = [r for r, x in enumerate(tok_list) if x != eos_id]
@@ -420,4 +432,4 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
         model.train(was_training)
     texts = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
     return Samples(tokens, [r // n for r in range(len(tokens))], [r % n for r in range(len(tokens))], logprobs,
-                   texts)
+                   texts, topk_ids)

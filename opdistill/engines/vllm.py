@@ -261,6 +261,9 @@ class EngineSet:
             return generate_rollouts(model, tokenizer, prompts, **kw)
         kw.pop("batch_size", None)  # vLLM schedules its own batches
         kw.pop("want_logprobs", None)
+        if kw.pop("want_topk", 0):
+            raise ValueError("the vLLM rollout engine does not return the student's top-k ids (loss.support union): "
+                             "use rollout.engine hf")
         return self.student.generate_rollouts(tokenizer, prompts, **kw)
 
     def sync(self, student) -> None:

@@ -16,6 +16,9 @@ from ..ops.sampled import ESTIMATORS, canonical_estimator
 logger = logging.getLogger(__name__)
 
 LOSS_MODES = ("topk", "sampled", "full")
+# the top-k supports of ``ops.topk`` and "union": tail over the teacher's top-k joined with the ids the student chose
+# (its own top-k and the sampled token), the teacher's log-probs at those requested from it (``DistillationLoss.signal``)
+LOSS_SUPPORTS = (*SUPPORTS, "union")
 
 
 def _is_number(v) -> bool:
@@ -28,7 +31,8 @@ class DistillationConfig:
 
     loss_mode            "topk" (teacher top-k ids + log-probs), "sampled" (teacher log-prob of the sampled token,
                          estimator), "full" (teacher logits, generalized JSD)
-    support, divergence  top-k family (SPEC 3.1); beta: JSD mixture weight (also used by loss_mode="full")
+    support, divergence  top-k family (SPEC 3.1); beta: JSD mixture weight (also used by loss_mode="full");
+                         support "union": tail over the teacher's top-k and the student's ids (``signal``)
     topk                 expected K of the teacher signal (None: whatever the teacher sends)
     estimator            sampled-token estimator: k1 k2 k3 abs (aliases kl mse low_var_kl)
     use_policy_gradient  False: back-propagate L_t; True: PPO-clip with advantage -stopgrad(L_t)
@@ -62,7 +66,7 @@ class DistillationConfig:
 
     def __post_init__(self):
         check_choice(self.loss_mode, "loss_mode", LOSS_MODES)
-        check_choice(self.support, "support", SUPPORTS)
+        check_choice(self.support, "support", LOSS_SUPPORTS)
         check_choice(self.divergence, "divergence", DIVERGENCES)
         check_unit_interval(self.beta, "beta")
         check_choice(self.estimator, "estimator", ESTIMATORS)

@@ -23,6 +23,7 @@ from ..metrics import MetricSums
 from ..ops.checks import check_float, check_mask
 from ..ops.policy import check_clip_ratios, ppo_clip_loss
 from ..ops.sampled import sampled_token_kl
+from ..ops.topk import union_support
 from ..fused import TeacherHidden
 from .backend import Backend, select_backend
 from .config import DistillationConfig
@@ -119,6 +120,12 @@ class DistillationLoss:
         if got is None or (mode == "full" and scores.head is None):
             what = {"topk": "top-k", "sampled": "sampled-token log-probs"}.get(mode, "hidden states and lm_head")
             raise ValueError(f"loss_mode={mode!r} reads the teacher's {what}, which these teacher scores do not hold")
+        if mode == "topk" and self.config.support == "union":
+            if scores.requested_logprobs is None or scores.requested_ids is None:
+                raise ValueError("support='union' joins the teacher's top-k with its log-probs at the ids the student "
+                                 "chose (requested_ids), which these teacher scores do not hold")
+            ids, lp = union_support(got.ids, got.logprobs, scores.requested_ids, scores.requested_logprobs)
+            return TeacherTopK(ids, lp)
         if mode == "topk":
             return got
         if mode == "sampled":
@@ -253,7 +260,7 @@ class DistillationLoss:
         # Masked rows become all-empty slots: zero loss, zero mass, nothing to validate.
         ids = torch.where(keep, x.teacher.ids, torch.zeros_like(x.teacher.ids))
         lp = torch.where(keep, x.teacher.logprobs, float("-inf"))
-        kw = dict(support=cfg.support, divergence=cfg.divergence, beta=cfg.beta,
+        kw = dict(support="tail" if cfg.support == "union" else cfg.support, divergence=cfg.divergence, beta=cfg.beta,
                   log_prob_min_clamp=cfg.log_prob_min_clamp, temperature=cfg.temperature,
                   validate="student" if x.teacher.validated else True)
         if x.backend.weighted_topk is not None and not cfg.use_policy_gradient:
@@ -361,7 +368,12 @@ def _check_signal(cfg: DistillationConfig, backend: Backend, teacher, m: torch.T
         if ids.shape != lp.shape or ids.shape[:-1] != m.shape:
             raise ValueError(f"teacher ids/logprobs must have shape {tuple(m.shape) + ('K',)}, got "
                              f"{tuple(ids.shape)} and {tuple(lp.shape)}")
-        if cfg.topk is not None and ids.shape[-1] != cfg.topk:
+        if cfg.support == "union":  # the teacher's top-K joined with the ids the student chose (signal)
+            if cfg.topk is not None and ids.shape[-1] < cfg.topk:
+                raise ValueError(f"support='union': the signal has {ids.shape[-1]} slots per token, fewer than the "
+                                 f"teacher's top-k (config.topk={cfg.topk}); build it with DistillationLoss.signal "
+                                 "or ops.union_support")
+        elif cfg.topk is not None and ids.shape[-1] != cfg.topk:
             raise ValueError(f"the teacher sent K={ids.shape[-1]} ids per token but config.topk={cfg.topk}")
 
 

@@ -61,6 +61,7 @@ class TeacherScores:
     topk                ids / log-probs ``[B, S, K]`` (None when not asked for)
     sampled_logprobs    ``[B, S]``: the teacher's log-prob of the next token of the row (None when not asked for)
     requested_logprobs  ``[B, S, J]``: log-probs at the ids the request named (None when not asked for)
+    requested_ids       ``[B, S, J]``: those ids (the request's; attached by whoever asked, e.g. the trainer's step)
     hidden              ``[B, S, H]``: the teacher's final hidden states (after its final norm; 0 where not scored),
                         what ``head`` turns into its logits (SPEC 6.4; None when not asked for)
     head                the teacher's output head for ``hidden`` (``opdistill.fused.LMHead``: weight, bias, logit
@@ -72,6 +73,7 @@ class TeacherScores:
     requested_logprobs: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     head: object = None
+    requested_ids: torch.Tensor | None = None
 
     def micro(self, rows: torch.Tensor, length: int) -> "TeacherScores":
         """The scores of rows ``rows`` (index tensor) and their first ``length`` positions (one micro-batch)."""
@@ -81,7 +83,7 @@ class TeacherScores:
         topk = None if self.topk is None else TeacherTopK(take(self.topk.ids), take(self.topk.logprobs),
                                                           validated=self.topk.validated)
         return TeacherScores(topk, take(self.sampled_logprobs), take(self.requested_logprobs), take(self.hidden),
-                             self.head)
+                             self.head, take(self.requested_ids))
 
     def to(self, device) -> "TeacherScores":
         """Every per-row tensor on ``device`` (itself when already there); the head stays where it is held."""
@@ -91,7 +93,7 @@ class TeacherScores:
         topk = None if self.topk is None else TeacherTopK(move(self.topk.ids), move(self.topk.logprobs),
                                                           validated=self.topk.validated)
         return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs), move(self.hidden),
-                             self.head)
+                             self.head, move(self.requested_ids))
 
     @staticmethod
     def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores | GroupedScores":
@@ -114,7 +116,7 @@ class TeacherScores:
                                validated=all(p.topk.validated for p in parts))
         return TeacherScores(topk, cat([p.sampled_logprobs for p in parts]),
                              cat([p.requested_logprobs for p in parts]), cat([p.hidden for p in parts]),
-                             parts[0].head)
+                             parts[0].head, cat([p.requested_ids for p in parts]))
 
 
 @dataclass(frozen=True)

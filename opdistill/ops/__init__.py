@@ -3,7 +3,7 @@
 from .jsd import generalized_jsd
 from .policy import PolicyLossResult, ppo_clip_loss
 from .sampled import ESTIMATORS, sampled_token_kl, token_logprobs
-from .topk import TAIL_MASS_EPS, TopKResult, topk_divergence
+from .topk import TAIL_MASS_EPS, TopKResult, topk_divergence, union_support
 
 __all__ = [
     "ESTIMATORS",
@@ -15,4 +15,5 @@ __all__ = [
     "sampled_token_kl",
     "token_logprobs",
     "topk_divergence",
+    "union_support",
 ]

@@ -242,6 +242,33 @@ def finish_topk(loss: torch.Tensor, student_logprobs: torch.Tensor, teacher_logp
     return TopKResult(*(x.reshape(lead) for x in (loss, q, p, count, advantage)))
 
 
+def union_support(ids: torch.Tensor, logprobs: torch.Tensor, extra_ids: torch.Tensor,
+                  extra_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of two id sets per position as one top-k signal: ``(ids [..., K + J], log-probs [..., K + J])``.
+
+    ``ids``/``logprobs`` ``[..., K]`` (a teacher's top-k) and ``extra_ids``/``extra_logprobs`` ``[..., J]`` (its
+    log-probs at ids somebody else chose, e.g. the student's own top-k and the sampled token) side by side, each id
+    kept once: a repeat of an id already in a non-empty slot to its left becomes an empty slot (log-prob -inf), as
+    ``topk_divergence`` reads empty slots (no mass, no loss, not part of T). Empty input slots stay empty and never
+    hide a real id. With ``support="tail"`` the result gives the union-support loss: the divergence over the union's
+    buckets plus one rest bucket (``DistillationConfig(support="union")``)."""
+    if ids.shape[:-1] != extra_ids.shape[:-1] or ids.shape != logprobs.shape or extra_ids.shape != extra_logprobs.shape:
+        raise ValueError(f"union_support: ids {tuple(ids.shape)} / logprobs {tuple(logprobs.shape)} and extra_ids "
+                         f"{tuple(extra_ids.shape)} / extra_logprobs {tuple(extra_logprobs.shape)} must pair up "
+                         "(the same leading dims, ids and log-probs of one shape)")
+    all_ids = torch.cat([ids.long(), extra_ids.long()], -1)
+    lp = torch.cat([logprobs, extra_logprobs.to(logprobs.dtype)], -1)
+    live = lp > float("-inf")
+    # empty slots get distinct negative keys: they collide with nothing; a stable sort puts an id's first slot first
+    slot = torch.arange(all_ids.shape[-1], device=all_ids.device)
+    key = torch.where(live, all_ids, -1 - slot)
+    sorted_key, order = torch.sort(key, dim=-1, stable=True)
+    repeat_sorted = torch.zeros_like(live)
+    repeat_sorted[..., 1:] = sorted_key[..., 1:] == sorted_key[..., :-1]
+    repeat = torch.zeros_like(live).scatter_(-1, order, repeat_sorted)
+    return all_ids, lp.masked_fill(repeat, float("-inf"))
+
+
 def topk_divergence(
     student_logits: torch.Tensor,
     teacher_ids: torch.Tensor,

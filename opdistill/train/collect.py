@@ -21,7 +21,7 @@ from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.distributed import DistContext
 from opdistill.train.step import StepData, group_advantages
 
-__all__ = ["Collector", "needs_sampler_logprobs", "score_request"]
+__all__ = ["Collector", "needs_sampler_logprobs", "score_request", "student_choices", "union_ids"]
 
 
 def needs_sampler_logprobs(cfg, engines: EngineSet | None = None) -> bool:
@@ -34,11 +34,25 @@ def needs_sampler_logprobs(cfg, engines: EngineSet | None = None) -> bool:
             or (engines is not None and engines.mismatch is not None))
 
 
-def score_request(loss_cfg, what: str = "") -> ScoreRequest:
-    """What the loss ``loss_cfg`` reads of the teacher: its top-K (loss_mode topk), the sampled tokens' log-probs
+def union_ids(loss_cfg) -> bool:
+    """Whether the loss asks the teacher for its log-probs at ids the student chose (``loss.support: union``)."""
+    return loss_cfg.loss_mode == "topk" and loss_cfg.support == "union"
+
+
+def score_request(loss_cfg, what: str = "", requested_ids: torch.Tensor | None = None) -> ScoreRequest:
+    """What the loss ``loss_cfg`` reads of the teacher: its top-K (loss_mode topk; with support union also its
+    log-probs at ``requested_ids`` [B, S, J], the student's top-K and sampled token), the sampled tokens' log-probs
     (sampled) or its final hidden states, which its head turns into its full distribution (full)."""
     return ScoreRequest(k=loss_cfg.topk if loss_cfg.loss_mode == "topk" else None,
-                        sampled=loss_cfg.loss_mode == "sampled", hidden=loss_cfg.loss_mode == "full", what=what)
+                        sampled=loss_cfg.loss_mode == "sampled", hidden=loss_cfg.loss_mode == "full", what=what,
+                        requested_ids=requested_ids if union_ids(loss_cfg) else None)
+
+
+def student_choices(input_ids: torch.Tensor, sampler_topk: torch.Tensor) -> torch.Tensor:
+    """``[B, S, K + 1]``: at row t the student's top-K ids of token t + 1's distribution and token t + 1 itself (the
+    sampled token; the last column of the last row repeats it), the ids a union-support loss has the teacher score."""
+    nxt = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+    return torch.cat([sampler_topk, nxt[..., None]], dim=-1)
 
 
 class Collector:
@@ -64,13 +78,16 @@ class Collector:
         t0 = time.perf_counter()
         old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
         writer = self.writer if cfg.train.method == "off_policy" else student
+        union = self.teacher is not None and union_ids(cfg.loss)
         ro = self.engines.generate_rollouts(writer, self.tok, prompts, n=rc.n, temperature=rc.temperature,
                                             top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
                                             min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
-                                            seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old)
+                                            seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old,
+                                            **({"want_topk": cfg.loss.topk} if union else {}))
         t1 = time.perf_counter()
         data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
-                        sampler_logprobs=ro.sampler_logprobs if old else None)
+                        sampler_logprobs=ro.sampler_logprobs if old else None,
+                        requested_ids=student_choices(ro.input_ids, ro.sampler_topk) if union else None)
         if self.teacher is not None:
             rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
                         tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index))
@@ -93,7 +110,8 @@ class Collector:
         """The teacher's scores of ``rows`` into ``data`` (a Future while a background request is on its way), and
         the rows of each member of a composite teacher as metric groups ``teacher/<name>/``."""
         groups = self.teacher.groups(rows)
-        fut = self.teacher.submit(rows, score_request(self.cfg.loss, f"step {step}: {rows.describe()}"))
+        fut = self.teacher.submit(rows, score_request(self.cfg.loss, f"step {step}: {rows.describe()}",
+                                                      data.requested_ids))
         data.scores = fut if self.teacher.background else fut.result()
         if groups is not None:
             data.groups = {f"teacher/{name}/": idx for name, idx in groups.items()}

@@ -342,6 +342,21 @@ class TrainerConfig(_Section):
             for i, t in enumerate(self.teachers or []):
                 need(t.api == "opdistill", "loss.loss_mode",
                      why.format(f"teachers.{i}.api vllm", "a stock vllm serve endpoint does not return"), lc.loss_mode)
+        if lc.loss_mode == "topk" and lc.support == "union" and method != "rl":
+            # the student's top-k ids come from its own sampler; the teacher scores them as requested ids
+            why = "tail, truncated or renormalized with {} (support union asks the teacher for its log-probs at the " \
+                  "student's top-k ids, {})"
+            need(method == "on_policy", "loss.support", why.format(
+                f"train.method {method}", "which only on-policy rollouts carry"), lc.support)
+            need(rc.engine == "hf", "loss.support", why.format(
+                "rollout.engine vllm", "which the vLLM rollout engine does not return"), lc.support)
+            need(self.teacher.engine == "hf", "loss.support", why.format(
+                "teacher.engine vllm", "which vLLM's prompt log-probs cannot answer"), lc.support)
+            need(self.teacher.api == "opdistill", "loss.support", why.format(
+                "teacher.api vllm", "which a stock vllm serve endpoint cannot answer"), lc.support)
+            for i, t in enumerate(self.teachers or []):
+                need(t.api == "opdistill", "loss.support", why.format(
+                    f"teachers.{i}.api vllm", "which a stock vllm serve endpoint cannot answer"), lc.support)
         if self.teacher.engine == "vllm":
             need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
                  self.teacher.engine)

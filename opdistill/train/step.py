@@ -16,6 +16,7 @@ micro-batch is cut within one group, and each group's share of the metrics is re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -42,13 +43,16 @@ class StepData:
     sampler_logprobs: torch.Tensor | None = None  # [B, S] old log-probs (next-token layout)
     advantages: torch.Tensor | None = None  # [B] per-sequence advantage (broadcast over its tokens)
     groups: dict[str, torch.Tensor] | None = None  # metric groups: prefix ("teacher/<name>/") -> row indices
+    requested_ids: torch.Tensor | None = None  # [B, S, J] the ids the teacher was asked to score (support union)
 
     def teacher_scores(self) -> TeacherScores | None:
         """The scores, waited for if still on their way, on the rows' device (``train.device: cuda`` moved the rows
-        before the scores arrived)."""
+        before the scores arrived), with the ids the request named attached to their log-probs."""
         if isinstance(self.scores, Future):
             self.scores = self.scores.result()
         if self.scores is not None:
+            if self.requested_ids is not None and self.scores.requested_ids is None:
+                self.scores = dataclasses.replace(self.scores, requested_ids=self.requested_ids)
             self.scores = self.scores.to(self.input_ids.device)
         return self.scores
 
