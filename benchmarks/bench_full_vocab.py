@@ -11,8 +11,8 @@ opdistill against Liger-Kernel's ``LigerFusedLinearJSDLoss`` and the GEMM floor,
     naive    (``--naive``) both [N, V] logits, TRL's generalized JSD, autograd (GBs at these sizes)
 
 Every (configuration, method) runs in a fresh process, the methods interleaved, ``--repeats`` rounds; the table
-shows medians. A process builds the inputs, runs one warm-up step of the same shapes (Liger compiles there), then
-times one step: wall-clock and process CPU time (user + system, all threads; less disturbed by other work on shared
+shows medians. A process builds the inputs, runs one warm-up step on the first 1024 tokens (the chunk shapes of the
+timed step: Liger compiles there), then times one step: wall-clock and process CPU time (user + system, all threads; less disturbed by other work on shared
 cores). Peak memory is the process's peak resident set during the timed step (the kernel's high-water mark, reset
 after the warm-up with /proc/self/clear_refs) minus its resident set before it, minus the bytes of the gradients
 the step must produce (hidden and weight, in their dtype): what the method needs *beyond* inputs, weights and
@@ -163,9 +163,14 @@ def worker(method: str, n: int, hidden: int, dtype_name: str, beta: float, floor
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     hs, ws, ht, wt = make_inputs(n, hidden, dtype)
+    # warm-up on the first 1024 tokens: thread pools, kernels, Liger's torch.compile (its chunks are 1024 tokens, so
+    # the shapes it compiles for are the timed step's; ours are 512 or 256, the floor's --floor-chunk)
+    w = min(n, 1024)
+    hw = hs[:w].detach().clone().requires_grad_(True)
+    make_step(method, w, beta, floor_chunk)(hw, ws, ht[:w], wt)
+    del hw
+    ws.grad = None
     step = make_step(method, n, beta, floor_chunk)
-    step(hs, ws, ht, wt)  # warm-up at the same shapes: thread pools, kernels, Liger's torch.compile
-    hs.grad = ws.grad = None
     trim()
     base = rss_bytes()
     exact_peak = reset_peak()
