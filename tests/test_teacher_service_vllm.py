@@ -22,7 +22,7 @@ pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]
 pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
 
 from opdistill.teachers import LocalTeacher, RemoteTeacher, Rows, ScoreRequest, TeacherServiceError  # noqa: E402
-from opdistill.teachers.wire import engine_refusal  # noqa: E402
+from opdistill.teachers.wire import engine_refusal, head_sha256  # noqa: E402
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import BadRequest, TeacherService, parse_request  # noqa: E402
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder  # noqa: E402
@@ -35,9 +35,9 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 # What the vllm engine's /info says about its limits (the demo teacher: vocabulary 18, context 256)
 VLLM_LIMITS = {"engine": "vllm", "max_k": 18, "max_requested_ids": 0, "fixed_temperature": 1.0, "padding": "right",
-               "max_model_len": 256}
+               "max_model_len": 256, "hidden": False, "hidden_size": None, "lm_head_sha256": None}
 HF_LIMITS = {"engine": "hf", "max_k": 18, "max_requested_ids": 256, "fixed_temperature": None, "padding": "any",
-             "max_model_len": None}
+             "max_model_len": None, "hidden": True, "hidden_size": 128}
 # measured max |vllm server - hf server| log-prob on the demo teacher, CPU float32 (docs/teacher_service.md): top-8
 # 9.8e-5 on a demo step's 2,763 scored positions, 1.3e-4 on random rows (mean ~2e-6); next-token 2.9e-5 / 7.1e-5;
 # top-8 ids identical. Bound with ~4x room
@@ -223,7 +223,10 @@ def test_info_is_the_hf_servers_but_for_the_engine_and_its_limits(servers):
     counters = {"requests", "batches"}
     same = set(hi) - set(VLLM_LIMITS) - counters
     assert set(vi) == set(hi) and {f: vi[f] for f in same} == {f: hi[f] for f in same}
-    assert vi["teacher_weights_sha256"] == teacher_fingerprint(load_model(DEMO / "teacher"))["teacher_weights_sha256"]
+    teacher = load_model(DEMO / "teacher")
+    assert vi["teacher_weights_sha256"] == teacher_fingerprint(teacher)["teacher_weights_sha256"]
+    head = teacher.get_output_embeddings()  # the demo teacher: an untied, unbiased head, no final scale
+    assert hi["lm_head_sha256"] == head_sha256(head.weight, None)
 
 
 @pytest.mark.vllm

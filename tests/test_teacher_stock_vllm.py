@@ -164,7 +164,11 @@ def test_k_above_max_logprobs_is_refused_in_one_line(stock_vllm, tmp_path, capsy
             *_overrides(tmp_path / "run", f"teacher.url={stock_vllm}", "teacher.api=vllm", f"loss.topk={k}",
                         "data.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8")]
     assert main(argv) == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    *_, last, advice = capsys.readouterr().err.strip().splitlines()
     assert re.fullmatch(rf"opdistill train: teacher service error: teacher\.url={re.escape(stock_vllm)}: POST "
                         rf"/v1/completions \(step 1: 4 rows x \d+ positions\) was refused: HTTP 400: "
                         rf"{re.escape(reason)}", last), last
+    # then where the run stands (docs/reliability.md: a failure keeps the last step's checkpoint): step 0, untrained
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
+    assert advice.startswith(f"opdistill train: checkpoint of step 0: {ckpt}; resume with: opdistill train --config "
+                             f"{ROOT / 'configs' / 'demo_carry_add.yaml'} --resume "), advice

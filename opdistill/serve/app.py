@@ -156,10 +156,12 @@ class TeacherService:
         if limits["max_requested_ids"] is not None:
             max_requested_ids = min(max_requested_ids, limits["max_requested_ids"])
         self.max_requested_ids = max_requested_ids
-        # the hidden-state payload (loss_mode full): an engine that holds the model's head says so
+        # the hidden-state payload (loss_mode full): an engine that holds the model's head says so; every engine
+        # answers the same /info fields (hidden: false, nulls, where it cannot send hidden states)
         self.head = teacher.head if isinstance(teacher, LocalTeacher) else None
-        head_info = {} if self.head is None else {"hidden": True, "hidden_size": int(self.head.weight.shape[1]),
-                                                  "lm_head_sha256": head_sha256(self.head.weight, self.head.bias)}
+        head_info = ({"hidden": False, "hidden_size": None, "lm_head_sha256": None} if self.head is None else
+                     {"hidden": True, "hidden_size": int(self.head.weight.shape[1]),
+                      "lm_head_sha256": head_sha256(self.head.weight, self.head.bias)})
         self.info = {"model": model_id, **fingerprint, **tokenizer_fingerprint(tokenizer), "engine": self.engine,
                      **head_info, "vocab_size": self.vocab_size, "max_k": self.max_k,
                      "max_requested_ids": max_requested_ids,
