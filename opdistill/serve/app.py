@@ -61,7 +61,7 @@ from opdistill.errors import UserError
 from opdistill.models import resolve_model_path
 from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
 from opdistill.teachers.answers import answer_problem
-from opdistill.teachers.http import MAX_TOKEN_BYTES
+from opdistill.teachers.http import read_token_file
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
 from opdistill.teachers.wire import (HIDDEN_DTYPES, MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_head, encode_result,
                                      engine_refusal, head_sha256, parse_accept, to_wire)
@@ -523,22 +523,9 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
     token = None
     if token_file is not None:
         try:
-            with open(token_file, "rb") as f:  # at most 64 KiB: /dev/zero would never end
-                token = f.read(MAX_TOKEN_BYTES + 1).decode("utf-8")
-            if len(token) > MAX_TOKEN_BYTES:
-                raise ServeError(f"--token-file {token_file}: longer than {MAX_TOKEN_BYTES} bytes; a token is one "
-                                 f"short line of text")
-            token = token.strip()
-        except OSError as e:
-            raise ServeError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
-        except UnicodeDecodeError as e:
-            raise ServeError(f"--token-file {token_file}: not UTF-8 text ({e.reason} at byte {e.start}); the token "
-                             f"is one line of text") from None
-        if not token:
-            raise ServeError(f"--token-file {token_file}: the file is empty")
-        if not all("!" <= c <= "~" for c in token):
-            raise ServeError(f"--token-file {token_file}: the token holds a space, a control or a non-ASCII character; "
-                             f"use printable ASCII only (it travels in an HTTP header)")
+            token = read_token_file(token_file)
+        except ValueError as e:
+            raise ServeError(f"--token-file {token_file}: {e}") from None
     check_bind(host, token)
     for name, v in (("--max-batch-tokens", max_batch_tokens), ("--max-request-tokens", max_request_tokens),
                     ("--max-k", max_k)):

@@ -19,9 +19,32 @@ import time
 from opdistill.errors import UserError
 from opdistill.teachers.base import Teacher
 
-__all__ = ["TeacherServiceError", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES"]
+__all__ = ["TeacherServiceError", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES", "read_token_file"]
 
 MAX_TOKEN_BYTES = 64 << 10  # a token file's size
+
+
+def read_token_file(path) -> str:
+    """The bearer token in ``path``: one line of printable ASCII, read bounded (``/dev/zero`` would never end).
+    ValueError says what is wrong with the file (the caller names the setting); the one reader of the server's
+    ``--token-file`` and the client's ``teacher.token_file``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read the token file ({e.strerror})") from None
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ValueError(f"longer than {MAX_TOKEN_BYTES} bytes; a token is one short line of text")
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start}); the token is one line of text") from None
+    if not token:
+        raise ValueError("the token file is empty")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError("the token holds a space, a control or a non-ASCII character; use printable ASCII only (it "
+                         "travels in an HTTP header)")
+    return token
 
 
 class TeacherServiceError(UserError, RuntimeError):
@@ -68,24 +91,9 @@ class HttpClient:
         headers = dict(headers or {})
         if token_file is not None:
             try:
-                with open(token_file, "rb") as f:  # at most 64 KiB: /dev/zero would never end
-                    token = f.read(MAX_TOKEN_BYTES + 1).decode("utf-8")
-                if len(token) > MAX_TOKEN_BYTES:
-                    raise TeacherServiceError(f"teacher.token_file={token_file!r}: longer than {MAX_TOKEN_BYTES} "
-                                              f"bytes; a token is one short line of text")
-                token = token.strip()
-            except OSError as e:
-                raise TeacherServiceError(f"teacher.token_file={token_file!r}: cannot read the token file "
-                                          f"({e.strerror})") from None
-            except UnicodeDecodeError as e:
-                raise TeacherServiceError(f"teacher.token_file={token_file!r}: not UTF-8 text ({e.reason} at byte "
-                                          f"{e.start}); the token is one line of text") from None
-            if not token:
-                raise TeacherServiceError(f"teacher.token_file={token_file!r}: the token file is empty")
-            if not all("!" <= c <= "~" for c in token):
-                raise TeacherServiceError(f"teacher.token_file={token_file!r}: the token holds a space, a control or "
-                                          f"a non-ASCII character; use printable ASCII only (it travels in an HTTP "
-                                          f"header)")
+                token = read_token_file(token_file)
+            except ValueError as e:
+                raise TeacherServiceError(f"teacher.token_file={token_file!r}: {e}") from None
             headers["Authorization"] = f"Bearer {token}"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="opdistill-http")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from opdistill.errors import RunError, RunWarning
 from opdistill.runs.files import flatten_config, read_jsonl
-from opdistill.runs.outputs import LOCK_NAME as _LOCK, RUN_ENTRIES, owner_of
+from opdistill.runs.outputs import LOCK_NAME as _LOCK, RUN_ENTRIES, owner_of, try_lock
 from opdistill.yaml12 import dump_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
@@ -376,14 +376,7 @@ def check_checkpoint_config(ckpt: Path, new: dict) -> None:
 
 
 def _acquire_lock(path: Path):
-    from filelock import FileLock, Timeout
-
     lock_path = path / _LOCK
     check_not_symlink(lock_path)
-    lock = FileLock(str(lock_path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RunError(f"run_dir {path} is in use by another opdistill process (it holds {lock_path}); wait for it to "
-                       f"finish, or choose another run_dir") from None
-    return lock
+    return try_lock(lock_path, f"run_dir {path} is in use by another opdistill process (it holds {lock_path}); wait "
+                               f"for it to finish, or choose another run_dir")
