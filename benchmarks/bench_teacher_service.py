@@ -8,8 +8,9 @@ with ``--smollm2``, the payload accounting of the hidden-state signal against to
 SmolLM2-135M-Instruct (V = 49,152, H = 576, fp32, ``--max-k 49152``) and one client sending the same rows (8 rows of
 64 prompt + 96 response tokens: 768 scored positions, the trainer's step) for each signal, the signals interleaved,
 ``--repeats`` rounds after one warm-up round: top-k K = 8, 64 and K = V (the fp32 binary payload: ids and log-probs,
-plus the sampled token's log-prob) and the hidden states (fp32 and bf16, plus the sampled token's log-prob), as
-the trainer asks them. Bytes per position: the answer bodies over the scored positions; positions/s: scored positions
+plus the sampled token's log-prob), the union support at K = 16 and 64 (the top-K plus the log-probs at K + 1
+requested ids per position) and the hidden states (fp32 and bf16, plus the sampled token's log-prob), as the
+trainer asks them. Bytes per position: the answer bodies over the scored positions; positions/s: scored positions
 over the request's wall time (median); the lm_head the hidden signal needs once per run (``GET /v1/lm_head``) is
 reported on its own line.
 
@@ -188,6 +189,10 @@ def smollm2_payloads(threads: int, repeats: int) -> None:
         rows = Rows(ids, am, rm)
         positions = int(rows.scored().sum())
         kinds = {f"top-k K={k}": (dict(payload="fp32"), ScoreRequest(k=k, sampled=True)) for k in (8, 64, V)}
+        # support union (the trainer's request): the teacher's top-K and its log-probs at K + 1 student-chosen ids
+        # (the student's top-K and the sampled token; random ids here)
+        kinds.update({f"union K={k}": (dict(payload="fp32"), ScoreRequest(
+            k=k, requested_ids=torch.randint(0, V, (*ids.shape, k + 1), generator=g))) for k in (16, 64)})
         kinds.update({f"hidden {d}": (dict(payload="fp32", hidden_payload=d), ScoreRequest(hidden=True, sampled=True))
                       for d in ("fp32", "bf16")})
         clients = {name: RemoteTeacher(url, **kw) for name, (kw, _) in kinds.items()}
