@@ -160,6 +160,11 @@ class Teacher(abc.ABC):
         None for a single teacher."""
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """What the teacher reports since the last call, as step metrics (a pool of servers: per server); the default
+        reports nothing."""
+        return {}
+
     def close(self) -> None:
         """Release what the teacher holds (connections, engines); the default holds nothing."""
 

@@ -12,6 +12,7 @@ config                                  training teacher                        
 ``teachers`` + ``routing``              RoutedTeacher of LocalTeacher / RemoteTeacher /     none
                                         StockVllmTeacher members
 ``teacher.url`` (api opdistill | vllm)  RemoteTeacher | StockVllmTeacher                    the same client
+``teacher.url: [url, url, ...]``        TeacherPool of those clients (one teacher)          the same pool
 ``train.method: rl``                    none                                                 the model, if loaded
 ``data.teacher_cache``                  CachedTeacher                                       the model
 ``teacher.engine: vllm``                VllmTeacher (a VllmEngine in this process)          the model
@@ -30,6 +31,7 @@ from opdistill.errors import ConfigError
 from opdistill.teachers.base import Teacher
 from opdistill.teachers.cache import CachedTeacher
 from opdistill.teachers.local import LocalTeacher
+from opdistill.teachers.pool import TeacherPool
 from opdistill.teachers.remote import RemoteTeacher
 from opdistill.teachers.routed import RoutedTeacher
 from opdistill.teachers.sharded import ShardedTeacher
@@ -81,12 +83,22 @@ def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
     except ImportError:
         raise ConfigError(f"{key}: the teacher client needs the serve extra (httpx is missing): "
                           "pip install 'opdistill[serve]'") from None
-    kw = dict(overlap=section.overlap, token_file=section.token_file, timeout_s=section.timeout_s,
-              retries=section.retries, backoff_s=section.backoff_s, key=key)
-    if section.api == "vllm":  # prompt_logprobs (what it cannot do: docs/teacher_service.md)
-        client = StockVllmTeacher(section.url, model=section.model, **kw)
-    else:
-        client = RemoteTeacher(section.url, payload=section.payload, hidden_payload=section.hidden_payload, **kw)
+    urls = [section.url] if isinstance(section.url, str) else list(section.url)
+    clients: list = []
+    try:
+        for i, url in enumerate(urls):
+            kw = dict(overlap=section.overlap, token_file=section.token_file, timeout_s=section.timeout_s,
+                      retries=section.retries, backoff_s=section.backoff_s, key=key if len(urls) == 1 else f"{key}.{i}")
+            if section.api == "vllm":  # prompt_logprobs (what it cannot do: docs/teacher_service.md)
+                clients.append(StockVllmTeacher(url, model=section.model, **kw))
+            else:
+                clients.append(RemoteTeacher(url, payload=section.payload, hidden_payload=section.hidden_payload, **kw))
+    except BaseException:
+        for c in clients:
+            c.close()
+        raise
+    client = clients[0] if len(clients) == 1 else TeacherPool(clients, probe_s=section.probe_s,
+                                                              patience_s=section.patience_s, key=key)
     try:
         lc = cfg.loss
         check = dict(hidden=True) if lc.loss_mode == "full" and section.api != "vllm" else {}

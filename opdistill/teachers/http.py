@@ -14,12 +14,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from opdistill.errors import UserError
 from opdistill.teachers.base import Teacher
 
-__all__ = ["TeacherServiceError", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES", "read_token_file"]
+__all__ = ["TeacherServiceError", "TeacherUnavailable", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES",
+           "read_token_file"]
 
 MAX_TOKEN_BYTES = 64 << 10  # a token file's size
 
@@ -53,6 +55,12 @@ class TeacherServiceError(UserError, RuntimeError):
     The message is one line naming the server and the request; the CLI prints it and exits 2."""
 
     kind = "teacher service error"
+
+
+class TeacherUnavailable(TeacherServiceError):
+    """The server gave no answer after the retries (connection refused or reset, deadlines, 5xx): the one failure a
+    pool of servers (``opdistill.teachers.pool``) answers by sending the request to another server. A refusal (4xx)
+    or a malformed or invalid answer is a :class:`TeacherServiceError` and is never retried elsewhere."""
 
 
 def _detail(resp) -> str:
@@ -107,7 +115,8 @@ class HttpClient:
         return f"{self.key}={self.url}"
 
     def _timeout_key(self) -> str:
-        return self.key.rsplit(".", 1)[0] + ".timeout_s"
+        section = re.sub(r"\.\d+$", "", self.key)  # teacher.url.1 (one server of a pool): teacher.url
+        return section.rsplit(".", 1)[0] + ".timeout_s"
 
     async def _fetch(self, method: str, path: str, kw: dict):
         """One try: the whole answer, read in chunks (at most ``max_response_bytes``), as an ``httpx.Response``."""
@@ -134,12 +143,14 @@ class HttpClient:
             fut.cancel()  # an interrupt in the caller's thread: stop the request too
             raise
 
-    def request(self, method: str, path: str, what: str, **kw):
-        """The answer of ``method path`` (``what``: the request in words), retried as the module notes say."""
+    def request(self, method: str, path: str, what: str, *, retries: int | None = None, **kw):
+        """The answer of ``method path`` (``what``: the request in words), retried as the module notes say
+        (``retries``: this request's, instead of the client's)."""
         import httpx
 
         last = ""
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
@@ -168,7 +179,7 @@ class HttpClient:
             self.requests += 1
             self.bytes_received += len(resp.content)
             return resp
-        raise TeacherServiceError(f"{self.where()}: {method} {path} ({what}) failed after {self.retries + 1} tries "
+        raise TeacherUnavailable(f"{self.where()}: {method} {path} ({what}) failed after {retries + 1} tries "
                                   f"({last}); start the teacher server or fix {self.key}, then continue the run with "
                                   f"--resume")
 

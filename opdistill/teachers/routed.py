@@ -90,6 +90,15 @@ class RoutedTeacher(Teacher):
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         return self.submit(rows, request).result()
 
+    def metrics(self) -> dict[str, float]:
+        """Each member's metrics under ``teacher/<name>/`` (``teacher/server/0/requests`` of member ``a``:
+        ``teacher/a/server/0/requests``)."""
+        out, seen = {}, {}
+        for name, m in self.members.items():
+            got = seen[id(m)] if id(m) in seen else seen.setdefault(id(m), m.metrics())
+            out.update({f"teacher/{name}/{k.removeprefix('teacher/')}": v for k, v in got.items()})
+        return out
+
     def close(self) -> None:
         closed = set()
         for m in self.members.values():

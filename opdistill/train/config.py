@@ -227,7 +227,9 @@ class TeacherConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"  # who scores the teacher's top-k / sampled-token log-probs (at temperature 1)
     # -- teacher service (docs/teacher_service.md) --
 
-    url: Optional[str] = None  # http(s)://host:port of an `opdistill serve-teacher` server (TLS by the scheme)
+    # http(s)://host:port of an `opdistill serve-teacher` server (TLS by the scheme), or a list of servers of one
+    # teacher: a pool (teachers/pool.py: balanced, a failed server taken out and probed back in)
+    url: Optional[Union[str, list[str]]] = None
     token_file: Optional[str] = None  # file holding the server's bearer token
     timeout_s: float = Field(120.0, gt=0)  # the deadline of each try of a request, the whole of it (teachers/http.py)
     retries: int = Field(3, ge=0)  # retries after a failed try (connection, timeout, 5xx), backoff doubling
@@ -237,12 +239,28 @@ class TeacherConfig(_Section):
     api: Literal["opdistill", "vllm"] = "opdistill"  # vllm: a stock `vllm serve` endpoint (prompt_logprobs)
     model: Optional[str] = None  # api vllm: the served model name (default: the first of /v1/models)
     overlap: bool = True  # the url request runs in a background thread during the student's forward (same numbers)
+    probe_s: float = Field(10.0, gt=0)  # a pool (url: a list): how often a down server is probed back in
+    patience_s: float = Field(60.0, ge=0)  # a pool: how long a request waits while every server is down
 
     @model_validator(mode="after")
     def _url(self):
-        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"teacher.url: expected http://host:port or https://host:port, got {quote(self.url)}")
+        _check_urls(self.url, "teacher.url")
         return self
+
+
+def _check_urls(url, key: str) -> None:
+    """``url``: one http(s)://host:port, or a list of at least one, each once (a pool of servers)."""
+    if url is None:
+        return
+    urls = [url] if isinstance(url, str) else url
+    if not urls:
+        raise ConfigError(f"{key}: expected http://host:port or a list of them, got []")
+    for u in urls:
+        if not re.match(r"^https?://[^\s/]+", u):
+            raise ConfigError(f"{key}: expected http://host:port or https://host:port, got {quote(u)}")
+    twice = sorted({u.rstrip("/") for u in urls if sum(v.rstrip("/") == u.rstrip("/") for v in urls) > 1})
+    if twice:
+        raise ConfigError(f"{key}: lists {quote(twice[0])} twice; each server of a pool once")
 
 
 class NamedTeacher(TeacherConfig):
@@ -255,9 +273,7 @@ class NamedTeacher(TeacherConfig):
 
     @model_validator(mode="after")
     def _url(self):
-        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ConfigError(f"teachers: url of teacher {quote(self.name)}: expected http://host:port or "
-                              f"https://host:port, got {quote(self.url)}")
+        _check_urls(self.url, f"teachers: url of teacher {quote(self.name)}")
         return self
 
 

@@ -204,6 +204,8 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
                                   micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=cfg.optim.grad_clip,
                                   bf16=cfg.train.bf16, fused_lm_head=cfg.train.fused_lm_head, group=ctx.group,
                                   mismatch=run.engines.mismatch))
+        if run.collect.teacher is not None:
+            metrics.update(run.collect.teacher.metrics())  # a pool of servers: what each did this step
         progress.phase = "after"
         run.engines.sync(run.student)  # the new weights into a vLLM student engine, in place
         state.count_update(applied=not metrics["train/nonfinite"])

@@ -57,6 +57,8 @@ RESUMABLE_KEYS = (
     "teacher.retries",
     "teacher.backoff_s",
     "teacher.overlap",  # requests overlapped with the student's forward or not: the same numbers (tested)
+    "teacher.probe_s",  # a pool's health checks, not what its servers compute
+    "teacher.patience_s",
     "rollout.vllm_*",  # the vLLM engines' memory knobs (docs/engines.md); the engine choice itself changes the samples
     "model.teacher_sharded",  # where the teacher's weights live, not its scores (equal, tested)
     # a ``teachers`` entry's client keys, as teacher.*'s (the list is compared item by item: _resumable)
@@ -66,6 +68,8 @@ RESUMABLE_KEYS = (
     "teachers.*.retries",
     "teachers.*.backoff_s",
     "teachers.*.overlap",
+    "teachers.*.probe_s",
+    "teachers.*.patience_s",
 )
 
 class CheckpointError(RunError):
