@@ -37,7 +37,7 @@ LAYERS = [
     ["opdistill.train.rundir", "opdistill.train.distributed"],
     ["opdistill.train.logger", "opdistill.train.checkpoint", "opdistill.train.step", "opdistill.train.preflight",
      "opdistill.train.evaluate", "opdistill.train.inputs"],
-    ["opdistill.train.collect"],
+    ["opdistill.train.collect", "opdistill.train.pipeline"],
     ["opdistill.train.assemble", "opdistill.train.export"],
     ["opdistill.train.loop"],
     ["opdistill.train", "opdistill.serve"],

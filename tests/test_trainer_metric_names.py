@@ -43,6 +43,9 @@ def runs(tmp_path_factory):
     multi["teachers"] = [{"name": "a", "path": str(tmp / "teacher")}, {"name": "b", "path": str(tmp / "teacher")}]
     multi["routing"] = {"table": {"short": "a", "long": "b"}}
     configs["multi"] = multi  # two routed teachers: the teacher/<name>/* names
+    configs["pipelined"] = tiny_config_dict(  # train.max_staleness: the staleness, waits and ICE-POP names
+        tmp, steps=2, eval={"num_prompts": 0}, checkpoint={"every": 0, "save_final": False},
+        train={"max_staleness": 1}, rollout={"correction": "icepop", "icepop_band": [0.5, 2.0]})
     out = {}
     for name, cfg in configs.items():
         cfg["run_dir"] = str(tmp / name)

@@ -38,6 +38,7 @@ from opdistill.models import (check_compatible, load_model, load_tokenizer, mode
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.train.pipeline import Pipeline
 from opdistill.train.collect import Collector
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, wrap_student
@@ -240,6 +241,7 @@ class Run:
     collect: Collector
     save: object  # save(step=, state=): an atomic, verified checkpoint
     config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
+    pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/pipeline.py)
 
 
 @dataclass
@@ -357,9 +359,11 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     loss_fn = _loss(cfg, ctx)
     if cache is not None and "model.teacher" in teacher_models:  # the cache's teacher against the loaded one
         check_provenance(cfg.data.teacher_cache, cache, teacher=teacher_models["model.teacher"])
-    state = RunState()
+    state, saved_tensors = RunState(), {}
     if ckpt is not None:
-        state = RunState.from_saved(load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.world_group))
+        saved = load_checkpoint(ckpt, student, optimizer, scheduler, group=ctx.world_group)
+        saved_tensors = saved.pop("extra_tensors", {})
+        state = RunState.from_saved(saved)
     elif ctx.is_main:  # written once the models and the config's checks passed: a run refused at start-up
         rd.write_config(config_to_dict(cfg))
     logger = stack.enter_context(_closing(RunLogger(
@@ -384,8 +388,13 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
+    pipeline = None
+    if cfg.train.max_staleness:  # last: its thread starts generating at once
+        pipeline = stack.enter_context(_closing(Pipeline(
+            collect, student, max_staleness=cfg.train.max_staleness, start=state.step, steps=cfg.train.steps,
+            versions=Pipeline.versions_from(saved_tensors))))
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
-               teachers, collect, save, config_to_dict(cfg))
+               teachers, collect, save, config_to_dict(cfg), pipeline)
 
 
 def _teacher_heads(teacher) -> dict[str, str]:

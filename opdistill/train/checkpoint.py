@@ -292,14 +292,19 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int = 2,
-                    tokenizer=None, group=None, rng: dict | None = None) -> Path:
+                    tokenizer=None, group=None, rng: dict | None = None,
+                    extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` atomically (``state``: JSON-able run state, e.g. training time and history); keep
     the newest ``keep_last``; return its folder. Refuses non-finite weights or optimizer state. ``group``: the
     data-parallel group of a multi-process run (every rank calls this): a sharded checkpoint (module docstring).
     ``rng``: the RNG states to record (:func:`rng_state` taken when the step completed; None: the current ones), for
-    a checkpoint written after a later step failed part-way."""
+    a checkpoint written after a later step failed part-way. ``extra``: more tensors for the trainer state (the
+    pipelined step's weight versions, ``pipeline/...``), returned by :func:`load_checkpoint` as
+    ``extra_tensors``."""
     from safetensors.torch import save_file
 
+    if extra and group is not None:
+        raise ValueError("save_checkpoint: extra tensors are written by one-process checkpoints only")
     if group is not None:
         return _save_sharded(run_dir, step, model, optimizer, scheduler, state, keep_last=keep_last,
                              tokenizer=tokenizer, group=group, rng=rng)
@@ -309,6 +314,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     tensors, meta = _split_state(optimizer, scheduler, rng)
+    if extra:
+        clash = sorted(set(extra) & set(tensors))
+        if clash:
+            raise ValueError(f"save_checkpoint: extra tensor names clash with the trainer state's: {clash[:3]}")
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in extra.items()})
     save_file(tensors, str(tmp / STATE_TENSORS))
     meta = {"step": step, **state, **meta}
     (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
@@ -477,6 +487,9 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, gro
         raise CheckpointError(f"{path}: trainer state does not fit this run ({type(e).__name__}: {e})") from e
     for key in ("optimizer", "scheduler", "rng", "world_size"):
         meta.pop(key, None)
+    extra = {k: v for k, v in tensors.items() if not k.startswith(("optimizer/", "rng/"))}
+    if extra:  # the pipelined step's weight versions (save_checkpoint(extra=...))
+        meta["extra_tensors"] = extra
     return meta
 
 

@@ -125,6 +125,10 @@ class RolloutConfig(_Section):
     # -- inference engine, mismatch correction (docs/engines.md) --
     engine: Literal["hf", "vllm"] = "hf"  # who samples the student's rollouts (vllm: the [vllm] extra)
     tis_cap: Optional[float] = Field(None, ge=1)  # truncated importance sampling: weight min(pi_train/pi_sampler, cap)
+    # the off-policy correction of the sampled tokens (SPEC 6.2, 6.5): null = tis when tis_cap is set, else none;
+    # train.max_staleness > 0 needs it said: none | tis (tis_cap) | icepop (icepop_band: tokens outside it masked)
+    correction: Optional[Literal["none", "tis", "icepop"]] = None
+    icepop_band: Optional[list[float]] = None  # icepop: [lo, hi], keep tokens with lo <= pi_train/pi_sampler <= hi
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share of each colocated vLLM engine
     vllm_sleep: bool = True  # GPU: put the engines to sleep between rollouts (training gets the memory back)
     vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
@@ -171,6 +175,8 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
     # --- device placement (opdistill/train/placement.py; docs/distributed.md) ---
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: the models on cuda:LOCAL_RANK, nccl under torchrun
+    # --- the pipelined step (opdistill/train/pipeline.py; docs/trainer.md) ---
+    max_staleness: int = Field(0, ge=0)  # S: step t's rollouts come from the weights after step t-1-S (0: sequential)
 
 
 class EvalConfig(_Section):
@@ -381,6 +387,38 @@ class TrainerConfig(_Section):
         if rc.tis_cap is not None:
             need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
                  rc.tis_cap)
+        S = self.train.max_staleness
+        if S:
+            for key, ok, why in (("train.method", method != "off_policy", "on_policy or rl (off_policy samples are "
+                                  "the teacher's)"),
+                                 ("data.teacher_cache", self.data.teacher_cache is None, "null (a cache has no "
+                                  "rollouts to run ahead)"),
+                                 ("rollout.engine", rc.engine == "hf", "hf (a vLLM engine's weights are not synced "
+                                  "by version yet)"),
+                                 ("teacher.engine", self.teacher.engine == "hf", "hf (a vLLM teacher engine is not "
+                                  "driven from the pipeline's thread yet)")):
+                if not ok:
+                    value = {"train.method": method, "data.teacher_cache": self.data.teacher_cache,
+                             "rollout.engine": rc.engine, "teacher.engine": self.teacher.engine}[key]
+                    raise ConfigError(f"{key}: expected {why} with train.max_staleness {S}, got {quote(value)}")
+        if rc.correction is not None:
+            need(method != "off_policy", "rollout.correction", "null with method off_policy (teacher-written samples)",
+                 rc.correction)
+            need(rc.correction != "tis" or rc.tis_cap is not None, "rollout.tis_cap", "a cap >= 1 with "
+                 "rollout.correction tis", rc.tis_cap)
+            need(rc.correction == "tis" or rc.tis_cap is None, "rollout.tis_cap", f"null with rollout.correction "
+                 f"{rc.correction} (the cap is tis's)", rc.tis_cap)
+            need(rc.correction != "icepop" or rc.icepop_band is not None, "rollout.icepop_band", "[lo, hi] with "
+                 "rollout.correction icepop (tokens whose pi_train/pi_sampler lies outside are masked)", rc.icepop_band)
+        if rc.icepop_band is not None:
+            band = rc.icepop_band
+            need(rc.correction == "icepop", "rollout.icepop_band", "null unless rollout.correction is icepop", band)
+            need(len(band) == 2 and 0 < band[0] < 1 < band[1] < float("inf"), "rollout.icepop_band",
+                 "[lo, hi] with 0 < lo < 1 < hi", band)
+        if S:
+            need(rc.correction is not None, "rollout.correction", f"none, tis (with rollout.tis_cap) or icepop (with "
+                 f"rollout.icepop_band), said explicitly with train.max_staleness {S}: the rollouts come from a policy "
+                 f"{S} updates old", rc.correction)
         if self.model.teacher_sharded:  # an in-process teacher that only scores (opdistill/train/sharded_teacher.py)
             no = "model.teacher_sharded"
             need(self.teacher.url is None, no, "false with teacher.url (the server holds the teacher)", True)

@@ -106,7 +106,8 @@ def _save(run: Run, kept: "_Completed | None" = None) -> Path:
     """The checkpoint of the current step, or of ``kept`` (the last completed step, when a later one failed before
     its update: the weights, optimizer and scheduler are still that step's)."""
     state, rng = (run.state, None) if kept is None else (kept.state, kept.rng)
-    path = run.save(step=state.step, state={**state.to_saved(), "config": run.config_dict}, rng=rng)
+    extra = None if run.pipeline is None else run.pipeline.saved_versions(state.step)  # in-flight batches' weights
+    path = run.save(step=state.step, state={**state.to_saved(), "config": run.config_dict}, rng=rng, extra=extra)
     run.state.last_save = state.step
     return path
 
@@ -198,7 +199,10 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
             break
         state.step += 1
         t0 = time.perf_counter()
-        data, metrics = run.collect(state.step, ctx.rollout_model(run.student))
+        if run.pipeline is None:
+            data, metrics = run.collect(state.step, ctx.rollout_model(run.student))
+        else:  # made ahead, by the weights of step - 1 - max_staleness
+            data, metrics = run.pipeline.get(state.step)
         t1 = time.perf_counter()
         metrics.update(train_step(run.student, run.optimizer, data, loss_fn=run.loss_fn,
                                   micro_batch_tokens=cfg.train.micro_batch_tokens, grad_clip=cfg.optim.grad_clip,
@@ -208,6 +212,8 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
             metrics.update(run.collect.teacher.metrics())  # a pool of servers: what each did this step
         progress.phase = "after"
         run.engines.sync(run.student)  # the new weights into a vLLM student engine, in place
+        if run.pipeline is not None:
+            run.pipeline.publish(state.step, run.student)
         state.count_update(applied=not metrics["train/nonfinite"])
         metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
         metrics["train/lr"] = run.scheduler.get_last_lr()[0]

@@ -29,7 +29,7 @@ from opdistill.fused import causal_lm_hidden, no_cache_kwargs
 from opdistill.train.placement import data_to
 
 __all__ = ["StepData", "StepPlan", "token_budget_split", "split_to_count", "group_split", "group_advantages",
-           "train_step", "rollout_mismatch", "tis_weights"]
+           "train_step", "rollout_mismatch", "tis_weights", "icepop_weights"]
 
 
 @dataclass
@@ -63,18 +63,29 @@ def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, ca
     return torch.exp(train_logprobs.detach() - sampler_logprobs.detach()).clamp(max=cap)
 
 
+def icepop_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, band: tuple[float, float]
+                   ) -> torch.Tensor:
+    """ICE-POP-style masking: 1 where ``lo <= exp(log pi_train - log pi_sampler) <= hi``, else 0 (the token's
+    contribution to every loss is dropped), detached (SPEC 6.5)."""
+    lo, hi = band
+    ratio = torch.exp(train_logprobs.detach() - sampler_logprobs.detach())
+    return ((ratio >= lo) & (ratio <= hi)).to(train_logprobs.dtype)
+
+
 @torch.no_grad()
 def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logprobs: torch.Tensor, *,
-                     temperature: float, tis_cap: float | None, loss=None):
+                     temperature: float, tis_cap: float | None, band: tuple[float, float] | None = None, loss=None):
     """The trainer's own log-probs of the sampled tokens (at the rollout temperature, the distribution the sampler
     reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``. ``loss``: the
     step's loss object, whose back-end computes the log-probs (default: plain logits on one device).
 
     Metrics: ``rollout/logprob_diff_mean`` and ``rollout/logprob_diff_max`` (``|log pi_train - log pi_sampler|``
     over response tokens); with ``tis_cap`` also ``rollout/tis_weight_mean`` and ``rollout/tis_clipfrac`` (the cap
-    was active). With ``tis_cap`` the policy-gradient "old" log-probs become the trainer's own (detached), so the
-    PPO ratio measures the update only and the sampler/trainer gap is corrected by the weight alone (verl's TIS);
-    without it everything is left as it was."""
+    was active); with ``band`` (ICE-POP, :func:`icepop_weights`) instead ``rollout/icepop_maskfrac`` (tokens
+    masked); with either, ``rollout/ratio_mean`` and ``rollout/ratio_min`` / ``_max`` (``pi_train / pi_sampler``).
+    With a correction the policy-gradient "old" log-probs become the trainer's own (detached), so the PPO ratio
+    measures the update only and the sampler/trainer gap (or the staleness of a pipelined step, SPEC 6.5) is
+    corrected by the weight alone (verl's TIS); without one everything is left as it was."""
     loss = loss if loss is not None else DistillationLoss(DistillationConfig())
     train_lp = loss.token_logprobs(student, tgt, m, temperature=temperature)
     if train_lp.dtype not in (torch.float32, torch.float64):
@@ -84,8 +95,15 @@ def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logpro
     metrics = MetricSums()
     metrics.add_mean("rollout/logprob_diff_mean", diff.double(), m)
     metrics.add_extrema("rollout/logprob_diff", diff.double(), m)
-    if tis_cap is None:
+    if tis_cap is None and band is None:
         return sampler_logprobs, None, metrics
+    ratio = torch.exp(train_lp.double() - old.double())
+    metrics.add_mean("rollout/ratio_mean", ratio, m)
+    metrics.add_extrema("rollout/ratio", ratio, m)
+    if band is not None:
+        w = torch.where(m, icepop_weights(train_lp, old, band), 0.0)
+        metrics.add_mean("rollout/icepop_maskfrac", 1.0 - w.double(), m)
+        return train_lp, w, metrics
     w = torch.where(m, tis_weights(train_lp, old, tis_cap), 0.0)
     metrics.add_mean("rollout/tis_weight_mean", w.double(), m)
     metrics.add_mean("rollout/tis_clipfrac", (torch.exp(train_lp - old) > tis_cap).double(), m)
