@@ -9,6 +9,7 @@
   the uninterrupted run, the refusals.
 """
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -320,3 +321,57 @@ def test_torchrun_is_refused_before_anything_loads(tmp):
     with pytest.raises(ConfigError, match=r"^train.max_staleness: expected 0 under torchrun in this version \(the "
                                           r"pipelined step runs in one process; world size 2\), got 1$"):
         check_environment(cfg, 2)
+
+
+def test_one_request_at_a_time_reaches_the_server():
+    from opdistill.teachers.base import Teacher, in_background
+    from opdistill.train.pipeline import OneAtATime
+
+    class Slow(Teacher):
+        background = True
+
+        def __init__(self):
+            self.in_flight = self.most = 0
+            self.lock = threading.Lock()
+
+        def score(self, rows, request):
+            with self.lock:
+                self.in_flight += 1
+                self.most = max(self.most, self.in_flight)
+            time.sleep(0.05)
+            with self.lock:
+                self.in_flight -= 1
+            return rows
+
+        def submit(self, rows, request):
+            return in_background(lambda: self.score(rows, request))
+
+    inner = Slow()
+    gate = OneAtATime(inner)
+    futures = [gate.submit(i, None) for i in range(4)]  # each call returns once the previous answer is in
+    assert [f.result() for f in futures] == [0, 1, 2, 3] and inner.most == 1
+
+
+def test_s1_through_a_teacher_server_equals_in_process(tmp, s1_run):
+    pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
+    pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
+    import os
+    import sys
+
+    from tests.server_helpers import free_port, start_server_process, stop_server_process
+
+    c = _config(tmp, "s1_served", 1)
+    url = f"http://127.0.0.1:{free_port()}"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    server = start_server_process([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model",
+                                   c["model"]["teacher"], "--port", url.rsplit(":", 1)[1], "--threads", "1"], url,
+                                  tmp / "server.log", what="serve-teacher", timeout_s=90, env=env)
+    try:
+        c["teacher"] = {"url": url}
+        run_training(load_config(base=c), quiet=True)
+    finally:
+        stop_server_process(server, grace_s=0)
+    assert _steps(c["run_dir"]) == s1_run  # the fp32 payload: the in-process teacher's scores, bit for bit
+    rows = [r for r in _rows(c["run_dir"]) if "time/teacher_s" in r]
+    assert all(r["time/teacher_s"] > 0 for r in rows)  # the request's time, answered in the background

@@ -7,6 +7,9 @@ background thread while the current update runs (SPEC 6.5).
   loop's, and the teacher scores the rows it is given, so a run's numbers do not depend on timing or load (tested by
   slowing each stage). The staleness of step t's batch is ``t - 1 - v(t) = min(S, t - 1)``; :meth:`Pipeline.get`
   raises if a batch ever breaks that bound.
+- **The teacher works while the next rollouts are made**: a server's request is sent from this thread and answered
+  while it goes on to the next batch's rollouts (:class:`OneAtATime`: one request in flight, so a server never
+  merges two of them); an in-process teacher scores in this thread.
 - **The correction** of the stale samples is the trainer's (``rollout.correction``, required when S > 0):
   the sampler's log-probs recorded at generation are the behaviour policy's (``train/step.py``: TIS or ICE-POP).
 - **Memory**: a replica of the student (the thread generates on it while the trainer updates the original) and up to
@@ -24,11 +27,13 @@ import copy
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
-__all__ = ["Pipeline", "source_version", "PREFIX"]
+from opdistill.teachers.base import Teacher
+
+__all__ = ["Pipeline", "OneAtATime", "source_version", "PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,46 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+def _time_answer(fut: Future, metrics: dict) -> None:
+    """``time/teacher_s``: from sending the request to its answer (set when the answer arrives, before the trainer
+    has read it: the trainer logs the step's metrics after its update)."""
+    sent = time.perf_counter()
+
+    def done(_):
+        metrics["time/teacher_s"] += time.perf_counter() - sent
+
+    fut.add_done_callback(done)
+
+
+class OneAtATime(Teacher):
+    """``teacher`` (one that answers in a background thread: a server) with at most one request in flight: a request
+    is sent once the previous one is answered. The generator thread makes the next batch's rollouts meanwhile, and a
+    server never holds two of the run's training requests at once (our server merges waiting requests into one
+    forward, whose float rounding depends on the batch: one at a time, each is scored alone, whatever the timing)."""
+
+    background = True
+
+    def __init__(self, teacher: Teacher):
+        self.teacher, self.key = teacher, teacher.key
+        self._previous: Future | None = None
+
+    def submit(self, rows, request) -> Future:
+        if self._previous is not None:
+            wait([self._previous])  # its failure is the trainer's to raise, with its step
+        self._previous = self.teacher.submit(rows, request)
+        return self._previous
+
+    def score(self, rows, request):
+        return self.submit(rows, request).result()
+
+    def groups(self, rows):
+        return self.teacher.groups(rows)
+
+    @property
+    def limits(self) -> dict:
+        return self.teacher.limits
+
+
 class Pipeline:
     """Batches of steps ``start + 1 .. steps`` made ahead by ``collect(step, model)`` (the trainer's
     :class:`~opdistill.train.collect.Collector`) on a replica of ``student``; ``versions``: the weight versions a
@@ -57,6 +102,9 @@ class Pipeline:
         self.S, self.start, self.steps = max_staleness, start, steps
         self.collect = copy.copy(collect)  # its own tokenizer: a fast tokenizer refuses two threads at once
         self.collect.tok = copy.deepcopy(collect.tok)
+        teacher = getattr(collect, "teacher", None)
+        if teacher is not None and teacher.background:
+            self.collect.teacher = OneAtATime(teacher)
         self.replica = copy.deepcopy(student)
         for p in self.replica.parameters():
             p.requires_grad_(False)
@@ -87,10 +135,8 @@ class Pipeline:
             try:
                 self.replica.load_state_dict(weights)
                 data, metrics = self.collect(t, self.replica)
-                if isinstance(data.scores, Future):  # the teacher's answer, here: the trainer does not wait for it
-                    t1 = time.perf_counter()
-                    data.teacher_scores()
-                    metrics["time/teacher_s"] += time.perf_counter() - t1  # the request's whole time, in this thread
+                if isinstance(data.scores, Future):  # on its way while this thread makes the next batch's rollouts
+                    _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited
                 result = (data, metrics, v)
             except BaseException as e:  # noqa: BLE001 -- raised by get() for this step, in the trainer's thread
