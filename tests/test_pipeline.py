@@ -375,3 +375,34 @@ def test_s1_through_a_teacher_server_equals_in_process(tmp, s1_run):
     assert _steps(c["run_dir"]) == s1_run  # the fp32 payload: the in-process teacher's scores, bit for bit
     rows = [r for r in _rows(c["run_dir"]) if "time/teacher_s" in r]
     assert all(r["time/teacher_s"] > 0 for r in rows)  # the request's time, answered in the background
+
+
+def test_s1_with_two_routed_teachers(tmp):
+    """teachers + routing under the pipeline: each prompt's teacher scores it in the generator's thread, and the
+    per-teacher metrics come through; the same numbers twice, one run with the generation slowed."""
+    c = _config(tmp, "s1_multi", 1, steps=3)
+    c["model"]["teacher"] = None
+    c["data"] = {"task": "mix", "prompts_per_step": 4, "task_args": {"tasks": {
+        "short": {"task": "carry_add", "min_digits": 1, "max_digits": 1},
+        "long": {"task": "carry_add", "min_digits": 2, "max_digits": 2}}}}
+    c["teachers"] = [{"name": "a", "path": str(tmp / "teacher")}, {"name": "b", "path": str(tmp / "student")}]
+    c["routing"] = {"table": {"short": "a", "long": "b"}}
+    run_training(load_config(base=c), quiet=True)
+    rows = [r for r in _rows(c["run_dir"]) if "distillation/loss" in r]
+    assert len(rows) == 3 and all("teacher/a/loss" in r and "teacher/b/loss" in r for r in rows)
+    assert [r["train/staleness"] for r in rows] == [0, 1, 1]
+    from opdistill.train import collect as collect_mod
+    original = collect_mod.Collector.__call__
+
+    def slowed(self, step, student):
+        time.sleep(0.2)
+        return original(self, step, student)
+
+    again = dict(c, run_dir=str(tmp / "s1_multi_slow"))
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(collect_mod.Collector, "__call__", slowed)
+        run_training(load_config(base=again), quiet=True)
+    finally:
+        mp.undo()
+    assert _steps(again["run_dir"]) == _steps(c["run_dir"])
