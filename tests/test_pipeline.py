@@ -406,3 +406,56 @@ def test_s1_with_two_routed_teachers(tmp):
     finally:
         mp.undo()
     assert _steps(again["run_dir"]) == _steps(c["run_dir"])
+
+
+def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exactly(tmp, s1_run):
+    """S = 1 through a server that dies while the generator scores step 3's batch: the run stops with the teacher's
+    line, the checkpoint of step 2 holds the weight version step 3's batch needs, and --resume with the server back
+    reproduces the uninterrupted run bit for bit (s1_run: the in-process teacher, equal through the fp32 payload)."""
+    pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
+    pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
+    import os
+    import sys
+
+    from opdistill.teachers import TeacherServiceError
+    from opdistill.train import collect as collect_mod
+    from tests.server_helpers import free_port, start_server_process, stop_server_process
+
+    c = _config(tmp, "s1_lost", 1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    c["teacher"] = {"url": url, "retries": 0, "timeout_s": 30}
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+
+    def start():
+        return start_server_process([sys.executable, "-m", "opdistill.cli", "serve-teacher", "--model",
+                                     c["model"]["teacher"], "--port", str(port), "--threads", "1"], url,
+                                    tmp / "lost_server.log", what="serve-teacher", timeout_s=90, env=env)
+
+    server = start()
+    original = collect_mod.Collector.__call__
+
+    def collect(self, step, student):
+        if step == 3:
+            stop_server_process(server, grace_s=0)
+        return original(self, step, student)
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(collect_mod.Collector, "__call__", collect)
+        with pytest.raises(TeacherServiceError) as e:
+            run_training(load_config(base=c), quiet=True)
+    finally:
+        mp.undo()
+        stop_server_process(server, grace_s=0)
+    assert str(e.value).startswith(f"teacher.url={url}: POST /v1/score (step 3: ")
+    run = Path(c["run_dir"])
+    assert [s for s, *_ in _steps(run)] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000002"
+    server = start()
+    try:
+        run_training(load_config(base=c), quiet=True, resume=True)
+    finally:
+        stop_server_process(server, grace_s=0)
+    assert _steps(run) == s1_run
