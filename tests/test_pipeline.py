@@ -76,7 +76,8 @@ def test_corrected_losses_equal_the_float64_reference(S, correction, cfg):
     else:
         assert m["rollout/icepop_maskfrac"] == pytest.approx(float((w_ref[mask] == 0).double().mean()), rel=1e-12)
     batch = GlobalBatch.from_masks([mask])
-    teacher_sig = (ids, lp) if dc.loss_mode == "topk" else F.log_softmax(z[0], -1).gather(-1, sampled[..., None])[..., 0]
+    t_sampled = F.log_softmax(z[0], -1).gather(-1, sampled[..., None])[..., 0]
+    teacher_sig = (ids, lp) if dc.loss_mode == "topk" else t_sampled
     zr = current.clone().requires_grad_(True)
     ref, _ = distillation_reference(zr, mask, teacher_sig, sampled_ids=sampled, old_logprobs=pi, token_weights=w_ref,
                                     **cfg)

@@ -58,7 +58,8 @@ class StandIn:
 
     def check_student(self, tokenizer, student=None, **kw):
         if self.down:
-            raise TeacherUnavailable(f"{self.http.where()}: GET /info (server info) failed after 1 tries (ConnectError)")
+            raise TeacherUnavailable(f"{self.http.where()}: GET /info (server info) failed after 1 tries "
+                                     f"(ConnectError)")
         self.info = dict(self.served_info)
         return self.info
 
@@ -255,7 +256,8 @@ def test_config_takes_a_list_of_urls(teacher):
     c = load_config(base=cfg, overrides=["teacher.url=[http://127.0.0.1:1, http://127.0.0.1:2]",
                                          "teacher.patience_s=5"])
     assert c.teacher.url == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and c.teacher.patience_s == 5
-    for url, msg in ((["http://a:1", "http://a:1/"], "teacher.url: lists 'http://a:1' twice; each server of a pool once"),
+    twice = "teacher.url: lists 'http://a:1' twice; each server of a pool once"
+    for url, msg in ((["http://a:1", "http://a:1/"], twice),
                      ([], "teacher.url: expected http://host:port or a list of them, got []"),
                      (["http://a:1", "ftp://b"], "teacher.url: expected http://host:port or https://host:port, got "
                                                  "'ftp://b'")):

@@ -284,10 +284,10 @@ def open_engines(cfg, tokenizer, student, resolve: Callable[[str], str]) -> Engi
     # the mismatch metrics cost a no-grad log-softmax over the vocabulary per micro-batch: measured where a sampler
     # other than the trainer's own wrote the tokens (a vLLM student, or a policy max_staleness updates old: SPEC 6.5),
     # or where a correction (TIS, ICE-POP) needs the trainer's log-probs
-    measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None or rc.correction in ("tis", "icepop")
+    band = None if rc.icepop_band is None else tuple(rc.icepop_band)  # set only with correction icepop (config)
+    measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None or band is not None
                               or cfg.train.max_staleness > 0)
-    es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap, band=None if rc.icepop_band is None else tuple(rc.icepop_band))
-                   if measure else None)
+    es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap, band=band) if measure else None)
     if rc.engine == "vllm":
         es.student = VllmEngine(resolve(cfg.model.student), role="student", dtype=cfg.model.dtype, seed=cfg.train.seed,
                                 max_model_len=rc.vllm_max_model_len,

@@ -25,6 +25,6 @@ from opdistill.teachers.sharded import ShardedTeacher
 from opdistill.teachers.stock_vllm import StockVllmTeacher
 
 __all__ = ["CachedTeacher", "LocalTeacher", "RemoteTeacher", "RoutedTeacher", "Rows", "ScoreRequest", "ShardedTeacher",
-           "StockVllmTeacher", "Teacher", "TeacherCacheError", "TeacherPool", "TeacherContext", "TeacherError", "TeacherServiceError",
-           "Teachers", "build_teacher", "load_cache", "save_cache", "score_teacher", "teacher_fingerprint",
-           "tokenizer_fingerprint"]
+           "StockVllmTeacher", "Teacher", "TeacherCacheError", "TeacherContext", "TeacherError", "TeacherPool",
+           "TeacherServiceError", "Teachers", "build_teacher", "load_cache", "save_cache", "score_teacher",
+           "teacher_fingerprint", "tokenizer_fingerprint"]

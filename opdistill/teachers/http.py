@@ -143,14 +143,12 @@ class HttpClient:
             fut.cancel()  # an interrupt in the caller's thread: stop the request too
             raise
 
-    def request(self, method: str, path: str, what: str, *, retries: int | None = None, **kw):
-        """The answer of ``method path`` (``what``: the request in words), retried as the module notes say
-        (``retries``: this request's, instead of the client's)."""
+    def request(self, method: str, path: str, what: str, **kw):
+        """The answer of ``method path`` (``what``: the request in words), retried as the module notes say."""
         import httpx
 
         last = ""
-        retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
+        for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
@@ -179,7 +177,7 @@ class HttpClient:
             self.requests += 1
             self.bytes_received += len(resp.content)
             return resp
-        raise TeacherUnavailable(f"{self.where()}: {method} {path} ({what}) failed after {retries + 1} tries "
+        raise TeacherUnavailable(f"{self.where()}: {method} {path} ({what}) failed after {self.retries + 1} tries "
                                   f"({last}); start the teacher server or fix {self.key}, then continue the run with "
                                   f"--resume")
 

@@ -91,9 +91,9 @@ class TeacherPool(Teacher):
         A server that does not answer starts down (a warning; it is probed back in); none answering is an error."""
         self._check = ((tokenizer, student), kw)
         down = []
-        for i, s in enumerate(self.servers):
+        for s in self.servers:
             try:
-                self._admit(i, s)
+                self._admit(s)
             except TeacherUnavailable as e:
                 s.healthy, s.last_error, s.next_probe = False, str(e), time.monotonic() + self.probe_s
                 down.append(e)
@@ -106,8 +106,9 @@ class TeacherPool(Teacher):
                             "%g s", s.client.http.where(), self.probe_s)
         return self.info
 
-    def _admit(self, i: int, s: _Server, retries: int | None = None) -> None:
-        """Check server ``i`` against the student and the pool's identity (raises on a difference)."""
+    def _admit(self, s: _Server, retries: int | None = None) -> None:
+        """Check server ``s`` against the student and the pool's identity (raises on a difference); ``retries``:
+        instead of its client's (a probe tries once)."""
         (args, kw), http = self._check, s.client.http
         saved = http.retries
         http.retries = http.retries if retries is None else retries
@@ -132,17 +133,16 @@ class TeacherPool(Teacher):
         """Probe, in the background, each down server whose time has come (one try)."""
         now = time.monotonic()
         with self._lock:
-            due = [(i, s) for i, s in enumerate(self.servers)
-                   if not s.healthy and not s.probing and s.next_probe <= now]
-            for _, s in due:
+            due = [s for s in self.servers if not s.healthy and not s.probing and s.next_probe <= now]
+            for s in due:
                 s.probing = True
-        for i, s in due:
-            threading.Thread(target=self._probe, args=(i, s), daemon=True, name="opdistill-teacher-probe").start()
+        for s in due:
+            threading.Thread(target=self._probe, args=(s,), daemon=True, name="opdistill-teacher-probe").start()
 
-    def _probe(self, i: int, s: _Server) -> None:
+    def _probe(self, s: _Server) -> None:
         error = None
         try:
-            self._admit(i, s, retries=0)
+            self._admit(s, retries=0)
         except TeacherUnavailable as e:
             error = e
         except Exception as e:  # noqa: BLE001 -- another teacher now: kept out, said once per probe
@@ -157,7 +157,7 @@ class TeacherPool(Teacher):
                 s.next_probe = time.monotonic() + self.probe_s
             self._lock.notify_all()
 
-    def _take(self, prefer: int, deadline_from: list) -> tuple[int, _Server]:
+    def _take(self, prefer: int, deadline_from: list) -> _Server:
         """An idle healthy server (``prefer``, else the next listed after it), busy from now; while every healthy
         server is busy, wait for one; while none is healthy, wait (probing) up to ``patience_s``, then raise."""
         with self._lock:
@@ -168,7 +168,7 @@ class TeacherPool(Teacher):
                 if idle:
                     s = self.servers[idle[0]]
                     s.busy = True
-                    return idle[0], s
+                    return s
                 if up:
                     self._lock.wait()  # a healthy server is busy: it is free when its request ends
                     continue
@@ -183,8 +183,10 @@ class TeacherPool(Teacher):
                 self._probe_due()  # the lock is reentrant; the probes take it once this thread waits
                 self._lock.wait(min(self.probe_s, self.patience_s - waited, 1.0))
 
-    def _release(self, s: _Server, *, failed: TeacherUnavailable | None = None, seconds: float = 0.0,
+    def _release(self, s: _Server, *, failed: TeacherUnavailable | None = None, seconds: float | None = None,
                  positions: int = 0) -> None:
+        """``s`` is free again: after a failure to answer (taken out), an answer (counted), or neither (an error
+        that is not the server's availability: not counted)."""
         with self._lock:
             s.busy = False
             if failed is not None:
@@ -194,7 +196,7 @@ class TeacherPool(Teacher):
                     s.next_probe = time.monotonic() + self.probe_s
                     log.warning("%s: taken out of the pool (%s); its requests go to the other servers",
                                 s.client.http.where(), " ".join(str(failed).split())[:300])
-            elif positions:
+            elif seconds is not None:
                 st = s.stats
                 st["requests"] += 1
                 st["positions"] += positions
@@ -206,7 +208,7 @@ class TeacherPool(Teacher):
         positions = int(rows.scored().sum())
         deadline_from: list = []
         while True:
-            i, s = self._take(prefer, deadline_from)
+            s = self._take(prefer, deadline_from)
             t0 = time.perf_counter()
             try:
                 scores = s.client.score(rows, request)

@@ -38,7 +38,6 @@ from opdistill.models import (check_compatible, load_model, load_tokenizer, mode
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
-from opdistill.train.pipeline import Pipeline
 from opdistill.train.collect import Collector
 from opdistill.train.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.distributed import DistContext, wrap_student
@@ -46,6 +45,7 @@ from opdistill.train.inputs import check_inputs, local_inputs, record_inputs, re
 from opdistill.train.logger import NullLogger, RunLogger
 from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.optim import build_optimizer
+from opdistill.train.pipeline import Pipeline
 from opdistill.train.placement import place_models, run_device
 from opdistill.train.preflight import (ModelInfo, check_before_loading, check_finite_model, check_finite_weights,
                                        check_loaded, check_model_folders, resolve_folder)

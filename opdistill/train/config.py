@@ -389,18 +389,15 @@ class TrainerConfig(_Section):
                  rc.tis_cap)
         S = self.train.max_staleness
         if S:
-            for key, ok, why in (("train.method", method != "off_policy", "on_policy or rl (off_policy samples are "
-                                  "the teacher's)"),
-                                 ("data.teacher_cache", self.data.teacher_cache is None, "null (a cache has no "
-                                  "rollouts to run ahead)"),
-                                 ("rollout.engine", rc.engine == "hf", "hf (a vLLM engine's weights are not synced "
-                                  "by version yet)"),
-                                 ("teacher.engine", self.teacher.engine == "hf", "hf (a vLLM teacher engine is not "
-                                  "driven from the pipeline's thread yet)")):
-                if not ok:
-                    value = {"train.method": method, "data.teacher_cache": self.data.teacher_cache,
-                             "rollout.engine": rc.engine, "teacher.engine": self.teacher.engine}[key]
-                    raise ConfigError(f"{key}: expected {why} with train.max_staleness {S}, got {quote(value)}")
+            with_s = f" with train.max_staleness {S}"
+            need(method != "off_policy", "train.method", "on_policy or rl (off_policy samples are the teacher's)"
+                 + with_s, method)
+            need(self.data.teacher_cache is None, "data.teacher_cache", "null (a cache has no rollouts to run ahead)"
+                 + with_s, self.data.teacher_cache)
+            need(rc.engine == "hf", "rollout.engine", "hf (a vLLM engine's weights are not synced by version yet)"
+                 + with_s, rc.engine)
+            need(self.teacher.engine == "hf", "teacher.engine", "hf (a vLLM teacher engine is not driven from the "
+                 "pipeline's thread yet)" + with_s, self.teacher.engine)
         if rc.correction is not None:
             need(method != "off_policy", "rollout.correction", "null with method off_policy (teacher-written samples)",
                  rc.correction)

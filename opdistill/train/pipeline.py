@@ -153,7 +153,7 @@ class Pipeline:
         t0 = time.perf_counter()
         with self._cond:
             while step not in self._ready:
-                if not self._thread.is_alive() and step not in self._ready:
+                if not self._thread.is_alive():
                     raise RuntimeError(f"Pipeline: the background thread ended before step {step}'s batch")
                 self._cond.wait(1.0)
             result = self._ready.pop(step)

@@ -106,7 +106,7 @@ def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logpro
         return train_lp, w, metrics
     w = torch.where(m, tis_weights(train_lp, old, tis_cap), 0.0)
     metrics.add_mean("rollout/tis_weight_mean", w.double(), m)
-    metrics.add_mean("rollout/tis_clipfrac", (torch.exp(train_lp - old) > tis_cap).double(), m)
+    metrics.add_mean("rollout/tis_clipfrac", (ratio > tis_cap).double(), m)
     return train_lp, w, metrics
 
 
