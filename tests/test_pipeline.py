@@ -21,7 +21,6 @@ from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, Teacher
 from opdistill.errors import ConfigError
 from opdistill.train import load_config, run_training
 from opdistill.train.pipeline import Pipeline
-from opdistill.train.preflight import check_environment
 from opdistill.train.step import icepop_weights, rollout_mismatch
 from tests.reference import distillation_reference
 from tests.trainer_helpers import tiny_config_dict
@@ -119,10 +118,13 @@ class _Collect:
     def __init__(self, delay=0.0):
         self.delay, self.seen = delay, {}
 
-    def __call__(self, step, model):
+    def rollouts(self, step, model):
         time.sleep(self.delay)
         self.seen[step] = int(model.v.item())
         return _Data(), {}
+
+    def reduce(self, local):  # the trainer's collector sums them over the ranks
+        return dict(local)
 
 
 @pytest.mark.parametrize("S", [1, 2, 3])
@@ -166,10 +168,10 @@ def test_a_batch_from_the_wrong_version_is_refused():
 
 def test_a_failure_in_the_thread_is_raised_for_its_step():
     class Failing(_Collect):
-        def __call__(self, step, model):
+        def rollouts(self, step, model):
             if step == 2:
                 raise ValueError("the teacher went away")
-            return super().__call__(step, model)
+            return super().rollouts(step, model)
 
     pipe = Pipeline(Failing(), _Versioned(), max_staleness=2, start=0, steps=4)
     try:
@@ -243,13 +245,13 @@ def test_s1_gives_the_same_numbers_whichever_stage_is_slow(tmp, s1_run, slow, mo
     from opdistill.train import collect as collect_mod, loop as loop_mod
 
     if slow == "collect":
-        original = collect_mod.Collector.__call__
+        original = collect_mod.Collector.rollouts
 
         def slowed(self, step, student):
             time.sleep(0.3)
             return original(self, step, student)
 
-        monkeypatch.setattr(collect_mod.Collector, "__call__", slowed)
+        monkeypatch.setattr(collect_mod.Collector, "rollouts", slowed)
     else:
         original = loop_mod.train_step
 
@@ -306,8 +308,6 @@ def test_a_resumed_s2_run_equals_the_uninterrupted_one(tmp):
      "0 < lo < 1 < hi, got [1.2, 2.0]"),
     (["rollout.icepop_band=[0.5, 2]"], "rollout.icepop_band: expected null unless rollout.correction is icepop, got "
      "[0.5, 2.0]"),
-    (["train.max_staleness=1", "rollout.correction=none", "rollout.engine=vllm"], "rollout.engine: expected hf (a "
-     "vLLM engine's weights are not synced by version yet) with train.max_staleness 1, got 'vllm'"),
     (["train.max_staleness=2", "rollout.correction=none", "train.method=off_policy"], "train.method: expected "
      "on_policy or rl (off_policy samples are the teacher's) with train.max_staleness 2, got 'off_policy'"),
 ])
@@ -317,11 +317,44 @@ def test_config_refusals(tmp, overrides, message):
     assert str(e.value) == message
 
 
-def test_torchrun_is_refused_before_anything_loads(tmp):
-    cfg = load_config(base=tiny_config_dict(tmp), overrides=["train.max_staleness=1", "rollout.correction=none"])
-    with pytest.raises(ConfigError, match=r"^train.max_staleness: expected 0 under torchrun in this version \(the "
-                                          r"pipelined step runs in one process; world size 2\), got 1$"):
-        check_environment(cfg, 2)
+def test_a_collective_teacher_scores_in_the_trainers_thread_when_the_batch_is_taken():
+    """A sharded teacher's scoring gathers its shards over the ranks: the pipeline's thread only records the request
+    and Pipeline.get scores it in the trainer's thread (its collectives keep one order on every rank)."""
+    from opdistill.teachers.base import Teacher
+
+    class Collective(Teacher):
+        collective = True
+
+        def __init__(self):
+            self.threads = []
+
+        def score(self, rows, request):
+            self.threads.append(threading.current_thread().name)
+            return ("scores of", rows)
+
+    class Scoring(_Collect):
+        def __init__(self):
+            super().__init__()
+            self.teacher = Collective()
+
+        def rollouts(self, step, model):
+            data, local = super().rollouts(step, model)
+            data = _Data()
+            data.scores = self.teacher.submit(f"rows {step}", None)
+            return data, {**local, "time/teacher_s": 0.0}
+
+    collect, student = Scoring(), _Versioned()
+    pipe = Pipeline(collect, student, max_staleness=1, start=0, steps=3)
+    try:
+        for t in (1, 2, 3):
+            time.sleep(0.05)  # the thread has made the batches it can meanwhile: none of them scored
+            assert len(collect.teacher.threads) == t - 1
+            data, _ = pipe.get(t)
+            assert data.scores == ("scores of", f"rows {t}")
+            pipe.publish(t, student)
+    finally:
+        pipe.close()
+    assert collect.teacher.threads == [threading.current_thread().name] * 3
 
 
 def test_one_request_at_a_time_reaches_the_server():
@@ -393,7 +426,7 @@ def test_s1_with_two_routed_teachers(tmp):
     assert len(rows) == 3 and all("teacher/a/loss" in r and "teacher/b/loss" in r for r in rows)
     assert [r["train/staleness"] for r in rows] == [0, 1, 1]
     from opdistill.train import collect as collect_mod
-    original = collect_mod.Collector.__call__
+    original = collect_mod.Collector.rollouts
 
     def slowed(self, step, student):
         time.sleep(0.2)
@@ -402,7 +435,7 @@ def test_s1_with_two_routed_teachers(tmp):
     again = dict(c, run_dir=str(tmp / "s1_multi_slow"))
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(collect_mod.Collector, "__call__", slowed)
+        mp.setattr(collect_mod.Collector, "rollouts", slowed)
         run_training(load_config(base=again), quiet=True)
     finally:
         mp.undo()
@@ -435,7 +468,7 @@ def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exac
                                     tmp / "lost_server.log", what="serve-teacher", timeout_s=90, env=env)
 
     server = start()
-    original = collect_mod.Collector.__call__
+    original = collect_mod.Collector.rollouts
 
     def collect(self, step, student):
         if step == 3:
@@ -444,7 +477,7 @@ def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exac
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(collect_mod.Collector, "__call__", collect)
+        mp.setattr(collect_mod.Collector, "rollouts", collect)
         with pytest.raises(TeacherServiceError) as e:
             run_training(load_config(base=c), quiet=True)
     finally:

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 from opdistill.data import CARRY_ADD_CHARS
 from opdistill.errors import ConfigError
@@ -79,7 +80,15 @@ def _configs(tmp: Path) -> dict:
     # the teacher FSDP2-sharded over the ranks: 2 steps, no checkpoint (its losses are compared with "on"'s first 2)
     on_tshard = {**on, "model": {**on["model"], "teacher_sharded": True}, "train": {**on["train"], "steps": 2},
                  "checkpoint": {"every": 0, "save_final": False}}
-    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt, "on_tshard": on_tshard}
+    # the pipelined step: train.max_staleness 1 with TIS (each rank's rows made ahead in its own thread)
+    def s1(cfg: dict, **train) -> dict:
+        return {**cfg, "train": {**cfg["train"], "max_staleness": 1, **train},
+                "rollout": {**cfg["rollout"], "correction": "tis", "tis_cap": 2.0}}
+
+    on_s1_tshard = {**s1(on, steps=3), "model": {**on["model"], "teacher_sharded": True},
+                    "checkpoint": {"every": 0, "save_final": False}}
+    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt, "on_tshard": on_tshard,
+            "on_s1": s1(on), "on_s1_tshard": on_s1_tshard, "on64_s1": s1(on64, steps=3)}
 
 
 def _tp(cfg: dict, tp: int = 2, steps: int | None = None) -> dict:
@@ -172,6 +181,12 @@ def runs(tmp_path_factory):
         {"name": "mt", "config": _with_run_dir(cfgs["mt"], tmp / "w2_mt")},
         # two routed teachers with the vocab-parallel lm_head (1 x 2): routed micro-batches, per-teacher metrics
         {"name": "tp_mt", "config": _with_run_dir(_tp(cfgs["mt"]), tmp / "tp_mt")},
+        # the pipelined step (train.max_staleness 1): FSDP2, its resume, a sharded teacher, the 1 x 2 mesh in fp64
+        {"name": "on_s1", "config": _with_run_dir(cfgs["on_s1"], tmp / "w2_on_s1")},
+        {"name": "on_s1_resume", "config": _with_run_dir(cfgs["on_s1"], tmp / "w2_on_s1_resume"), "resume": True,
+         "prepare_resume_from": str(tmp / "w2_on_s1"), "resume_step": 2},
+        {"name": "on_s1_tshard", "config": _with_run_dir(cfgs["on_s1_tshard"], tmp / "w2_on_s1_tshard")},
+        {"name": "tp_on64_s1", "config": _with_run_dir(_tp(cfgs["on64_s1"]), tmp / "tp_on64_s1")},
     ]
     out = tmp / "out"
     out.mkdir()
@@ -179,7 +194,7 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled", "mt", "on_tshard"):
+    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
@@ -326,6 +341,38 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     assert state["step"] == 4
     for (n, a), (m, b) in zip(exported.state_dict().items(), from_dcp.state_dict().items()):
         assert n == m and torch.equal(a, b), n
+
+
+def test_pipelined_step_at_world2_equals_world1(runs):
+    """``train.max_staleness: 1`` with TIS under torchrun (issue 23): each rank's rows are made ahead in its own
+    thread by the weights of step t - 2, gathered whole by ``Pipeline.publish``, and the thread runs no collective
+    (its metrics are reduced when the trainer takes the batch). The same samples as world 1, the per-step losses
+    within 1e-5; the run is really pipelined (staleness 0, 1, 1, 1; losses that differ from S = 0's). A world-2
+    checkpoint (rank 0 writes the weight versions) resumes at world 2 and at world 1 to the uninterrupted run's
+    losses. A sharded teacher (scored in the trainer's thread when the batch is taken) trains as the replicated
+    one; the 1 x 2 (dp x tp) mesh in fp64 equals world 1 to 1e-9."""
+    tmp, cfgs, tokens1 = runs
+    assert _world2_tokens(tmp / "out", "on_s1") == tokens1["on_s1"]
+    w1, w2 = _losses(tmp / "w1_on_s1"), _losses(tmp / "w2_on_s1")
+    assert len(w1) == 4 and all(gn > 0 for *_, gn in w1)
+    _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)
+    staleness = [r["train/staleness"] for r in read_metrics(tmp / "w2_on_s1") if "train/grad_norm" in r]
+    assert staleness == [0.0, 1.0, 1.0, 1.0]
+    s0 = _losses(tmp / "w1_on")
+    # step 1: the same weights (its TIS weights are 1 up to the sampler's last bits); then a version older
+    assert w1[0][1] == pytest.approx(s0[0][1], rel=1e-6) and all(abs(a[1] - b[1]) > 1e-3 * b[1] for a, b in
+                                                                 zip(w1[1:], s0[1:]))
+    with safe_open(str(tmp / "w2_on_s1" / "checkpoints" / "step_00000004" / "trainer_state.safetensors"), "pt") as f:
+        assert {k.split("/")[1] for k in f.keys() if k.startswith("pipeline/")} == {"3"}  # step 5 would need it
+    _assert_close_rows(_losses(tmp / "w2_on_s1_resume"), w2, abs_tol=LOSS_ABS)
+    w1_resume = _copy_run_cut_at(tmp / "w2_on_s1", tmp / "w1_on_s1_resume", 2)
+    loop.run_training(load_config(base=_with_run_dir(cfgs["on_s1"], w1_resume)), resume=True, quiet=True)
+    _assert_close_rows(_losses(w1_resume), w1, abs_tol=LOSS_ABS)
+    # a sharded teacher: its scores are the replicated teacher's, so the losses are the replicated run's exactly
+    assert _losses(tmp / "w2_on_s1_tshard") == w2[:3]
+    assert _world2_tokens(tmp / "out", "on_s1_tshard") == {s: p for s, p in tokens1["on_s1"].items() if int(s) <= 3}
+    # the 1 x 2 mesh (vocab-parallel lm_head), fp64
+    _assert_close_rows(_losses(tmp / "tp_on64_s1"), _losses(tmp / "w1_on64_s1"), rel=1e-9)
 
 
 # -- distributed.tp_size > 1: vocab-parallel lm_head (train/tensor_parallel.py) ------------------------------------

@@ -135,6 +135,9 @@ class Teacher(abc.ABC):
     key: str = "teacher"
     #: True: :meth:`submit` runs the request in a background thread (a remote teacher with ``overlap``)
     background: bool = False
+    #: True: :meth:`score` runs collectives on the run's group (a sharded teacher): every rank calls it at the same
+    #: point, from the trainer's thread (the pipelined step scores it there: opdistill/train/pipeline.py)
+    collective: bool = False
     #: what computes the scores, as a teacher server's ``/info`` names it
     engine_name: str = "hf"
 

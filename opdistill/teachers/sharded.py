@@ -63,6 +63,7 @@ class ShardedTeacher(Teacher):
     unwrapped teacher (its parameters are DTensor shards between calls)."""
 
     key = "model.teacher"
+    collective = True  # every forward gathers the shards over the group
 
     def __init__(self, teacher, mesh, group, *, row_chunk: int = ROW_CHUNK):
         from torch.distributed.fsdp import fully_shard

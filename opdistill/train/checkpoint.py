@@ -303,26 +303,28 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     ``extra_tensors``."""
     from safetensors.torch import save_file
 
-    if extra and group is not None:
-        raise ValueError("save_checkpoint: extra tensors are written by one-process checkpoints only")
     if group is not None:
         return _save_sharded(run_dir, step, model, optimizer, scheduler, state, keep_last=keep_last,
-                             tokenizer=tokenizer, group=group, rng=rng)
+                             tokenizer=tokenizer, group=group, rng=rng, extra=extra)
     _check_finite(model, optimizer, step)
     tmp, final = _prepare_dirs(run_dir, step, str(os.getpid()))
     save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     tensors, meta = _split_state(optimizer, scheduler, rng)
+    _add_extra(tensors, extra)
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    meta = {"step": step, **state, **meta}
+    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
+    return _finish(run_dir, tmp, final, step, keep_last, "single")
+
+
+def _add_extra(tensors: dict, extra: dict | None) -> None:
     if extra:
         clash = sorted(set(extra) & set(tensors))
         if clash:
             raise ValueError(f"save_checkpoint: extra tensor names clash with the trainer state's: {clash[:3]}")
         tensors.update({k: v.detach().cpu().contiguous() for k, v in extra.items()})
-    save_file(tensors, str(tmp / STATE_TENSORS))
-    meta = {"step": step, **state, **meta}
-    (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")
-    return _finish(run_dir, tmp, final, step, keep_last, "single")
 
 
 def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
@@ -367,11 +369,12 @@ def _local(t):
 
 
 def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int, tokenizer,
-                  group, rng: dict | None = None) -> Path:
+                  group, rng: dict | None = None, extra: dict | None = None) -> Path:
     """The multi-process save: every rank writes its shards of the model and optimizer state with
     torch.distributed.checkpoint into ``dcp/`` of the temporary folder; rank 0 adds the full student as a
     transformers folder (``model.safetensors``, for ``from_pretrained`` and ``opdistill eval``), the scheduler, RNG
-    and run state, then the manifest and the rename, exactly as in one process."""
+    and run state (and ``extra``, the same on every rank: rank 0's), then the manifest and the rename, exactly as in
+    one process."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -400,6 +403,7 @@ def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         tensors, meta = _split_state(None, scheduler, rng)
+        _add_extra(tensors, extra)
         save_file(tensors, str(tmp / STATE_TENSORS))
         meta = {"step": step, **state, **meta, "world_size": dist.get_world_size(group)}
         (tmp / STATE_JSON).write_text(json.dumps(meta) + "\n")

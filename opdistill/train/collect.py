@@ -70,8 +70,15 @@ class Collector:
     def __call__(self, step: int, student) -> tuple[StepData, dict]:
         if self.cache is not None:
             return self._from_cache(step)
-        cfg, ctx, rc = self.cfg, self.ctx, self.cfg.rollout
-        offset, count = ctx.share(cfg.data.prompts_per_step)
+        data, local = self.rollouts(step, student)
+        return data, self.reduce(local)
+
+    def rollouts(self, step: int, student) -> tuple[StepData, dict]:
+        """Step ``step``'s rows and scores on this rank, and its metrics before they are reduced over the ranks
+        (:meth:`reduce`): no collective runs here (unless the teacher's own), so the pipelined step's thread can
+        make them while the trainer's collectives run."""
+        cfg, rc = self.cfg, self.cfg.rollout
+        offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
         prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
         torch.manual_seed(cfg.train.seed * 1_000_003 + step)
@@ -96,15 +103,15 @@ class Collector:
         rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
         if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
             data.advantages = group_advantages(rewards, ro.prompt_index)
-        reward_sum, n_rows, tokens = ctx.sum([float(rewards.double().sum()), float(ro.num_rows),
-                                              float(ro.response_mask.sum())])
-        return data, {
-            "train/reward": reward_sum / n_rows if n_rows else float("nan"),
-            "train/response_len": tokens / max(n_rows, 1),
-            "time/rollout_s": t1 - t0,
-            "time/teacher_s": t2 - t1,
-            "train/generated_tokens": tokens,
-        }
+        return data, {"sums": [float(rewards.double().sum()), float(ro.num_rows), float(ro.response_mask.sum())],
+                      "time/rollout_s": t1 - t0, "time/teacher_s": t2 - t1}
+
+    def reduce(self, local: dict) -> dict:
+        """The step's metrics from :meth:`rollouts`' local ones, summed over the ranks (a collective)."""
+        local = dict(local)
+        reward_sum, n_rows, tokens = self.ctx.sum(local.pop("sums"))
+        return {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
+                "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
 
     def _score(self, data: StepData, rows: Rows, step: int) -> None:
         """The teacher's scores of ``rows`` into ``data`` (a Future while a background request is on its way), and

@@ -394,10 +394,6 @@ class TrainerConfig(_Section):
                  + with_s, method)
             need(self.data.teacher_cache is None, "data.teacher_cache", "null (a cache has no rollouts to run ahead)"
                  + with_s, self.data.teacher_cache)
-            need(rc.engine == "hf", "rollout.engine", "hf (a vLLM engine's weights are not synced by version yet)"
-                 + with_s, rc.engine)
-            need(self.teacher.engine == "hf", "teacher.engine", "hf (a vLLM teacher engine is not driven from the "
-                 "pipeline's thread yet)" + with_s, self.teacher.engine)
         if rc.correction is not None:
             need(method != "off_policy", "rollout.correction", "null with method off_policy (teacher-written samples)",
                  rc.correction)

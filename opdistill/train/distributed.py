@@ -220,6 +220,21 @@ class DistContext:
                 self._replica.get_parameter(name).copy_(full)
         return self._replica
 
+    def full_weights(self, model) -> dict[str, torch.Tensor]:
+        """The student's parameters and buffers, whole, as CPU copies keyed by the plain module's names (a
+        collective under FSDP2: every rank calls this at the same point; a sharded tensor is gathered whole)."""
+        from torch.distributed.tensor import DTensor
+
+        model = getattr(model, "module", model)  # DDP
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+                for k, v in model.state_dict().items()}
+
+    def decoding_copy(self, model):
+        """A plain copy of the student to decode with in another thread (the pipelined step): no collective in its
+        forward (a copy of the FSDP2 replica, of the module DDP wraps, or of ``model``); frozen."""
+        base = self._replica if self._replica is not None else getattr(model, "module", model)
+        return copy.deepcopy(base).requires_grad_(False)
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -211,8 +211,9 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
         if run.collect.teacher is not None:
             metrics.update(run.collect.teacher.metrics())  # a pool of servers: what each did this step
         progress.phase = "after"
-        run.engines.sync(run.student)  # the new weights into a vLLM student engine, in place
-        if run.pipeline is not None:
+        if run.pipeline is None:
+            run.engines.sync(run.student)  # the new weights into a vLLM student engine, in place
+        else:  # version state.step; the pipeline's thread pushes each batch's own version into a vLLM engine
             run.pipeline.publish(state.step, run.student)
         state.count_update(applied=not metrics["train/nonfinite"])
         metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)

@@ -12,8 +12,17 @@ background thread while the current update runs (SPEC 6.5).
   merges two of them); an in-process teacher scores in this thread.
 - **The correction** of the stale samples is the trainer's (``rollout.correction``, required when S > 0):
   the sampler's log-probs recorded at generation are the behaviour policy's (``train/step.py``: TIS or ICE-POP).
-- **Memory**: a replica of the student (the thread generates on it while the trainer updates the original) and up to
-  S + 1 weight versions as CPU state dicts.
+- **Memory**: a replica of the student (the thread generates on it while the trainer updates the original; none
+  with a vLLM student engine) and up to S + 1 weight versions as CPU state dicts, whole on every rank.
+- **A vLLM student engine** (``rollout.engine: vllm``) gets version v(t)'s weights pushed from this thread before it
+  generates step t's batch (only when the version changes), never the newest ones: the trainer does not sync it
+  after its update.
+- **Under torchrun** the thread runs no collective, so it never interleaves with the trainer's: a rank's rows and
+  scores are made here, their metrics reduced over the ranks by :meth:`Pipeline.get`, and the weight versions
+  gathered whole by :meth:`Pipeline.publish` (both in the trainer's thread, at the same point on every rank). A
+  teacher whose scoring is itself a collective (``model.teacher_sharded``: :attr:`Teacher.collective`) scores in
+  :meth:`Pipeline.get`, in the trainer's thread: its forwards run on the trainer's devices anyway, so overlapping
+  them would buy little, and its collectives keep one order on every rank.
 - **Checkpoints** stay exact without saving batches: a checkpoint of step c records the weight versions
   ``max(0, c - S) .. c - 1`` (``pipeline/<v>/<name>`` in ``trainer_state.safetensors``; version c is the checkpoint's
   own weights), and a resumed run regenerates batches c + 1 .. c + S from them: the same batches, bit for bit.
@@ -32,8 +41,9 @@ from concurrent.futures import Future, wait
 import torch
 
 from opdistill.teachers.base import Teacher
+from opdistill.train.distributed import DistContext
 
-__all__ = ["Pipeline", "OneAtATime", "source_version", "PREFIX"]
+__all__ = ["Pipeline", "OneAtATime", "InTrainerThread", "source_version", "PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +53,6 @@ PREFIX = "pipeline/"  # checkpoint tensor names: pipeline/<version>/<state dict 
 def source_version(step: int, max_staleness: int) -> int:
     """The weight version (steps applied) that generates step ``step``'s batch."""
     return max(0, step - 1 - max_staleness)
-
-
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _time_answer(fut: Future, metrics: dict) -> None:
@@ -89,6 +95,31 @@ class OneAtATime(Teacher):
         return self.teacher.limits
 
 
+class InTrainerThread(Teacher):
+    """``teacher`` (one whose scoring runs collectives: a sharded teacher) asked from the generator's thread but
+    scored in the trainer's: :meth:`submit` only records the request, :meth:`Pipeline.get` scores it."""
+
+    background = True
+
+    def __init__(self, teacher: Teacher):
+        self.teacher, self.key = teacher, teacher.key
+
+    def submit(self, rows, request) -> Future:
+        fut: Future = Future()
+        fut.request = (rows, request)  # scored by Pipeline.get
+        return fut
+
+    def score(self, rows, request):
+        return self.teacher.score(rows, request)
+
+    def groups(self, rows):
+        return self.teacher.groups(rows)
+
+    @property
+    def limits(self) -> dict:
+        return self.teacher.limits
+
+
 class Pipeline:
     """Batches of steps ``start + 1 .. steps`` made ahead by ``collect(step, model)`` (the trainer's
     :class:`~opdistill.train.collect.Collector`) on a replica of ``student``; ``versions``: the weight versions a
@@ -102,14 +133,18 @@ class Pipeline:
         self.S, self.start, self.steps = max_staleness, start, steps
         self.collect = copy.copy(collect)  # its own tokenizer: a fast tokenizer refuses two threads at once
         self.collect.tok = copy.deepcopy(collect.tok)
+        self.ctx = getattr(collect, "ctx", DistContext())
         teacher = getattr(collect, "teacher", None)
-        if teacher is not None and teacher.background:
+        if teacher is not None and teacher.collective:
+            self.collect.teacher = InTrainerThread(teacher)
+        elif teacher is not None and teacher.background:
             self.collect.teacher = OneAtATime(teacher)
-        self.replica = copy.deepcopy(student)
-        for p in self.replica.parameters():
-            p.requires_grad_(False)
+        engines = getattr(collect, "engines", None)
+        self.engine = getattr(engines, "student", None)  # a vLLM student engine: versions pushed into it
+        self._pushed: int | None = None
+        self.replica = None if self.engine is not None else self.ctx.decoding_copy(student)
         self.versions = {int(v): sd for v, sd in (versions or {}).items()}
-        self.versions[start] = _snapshot(student)
+        self.versions[start] = self.ctx.full_weights(student)
         missing = [v for v in {source_version(t, self.S) for t in range(start + 1, min(start + self.S, steps) + 1)}
                    if v not in self.versions]
         if missing:
@@ -133,8 +168,12 @@ class Pipeline:
                 weights = self.versions[v]
             waited = time.perf_counter() - t0
             try:
-                self.replica.load_state_dict(weights)
-                data, metrics = self.collect(t, self.replica)
+                if self.engine is None:
+                    self.replica.load_state_dict(weights)
+                elif self._pushed != v:
+                    self.engine.load_weights(weights.items())
+                    self._pushed = v
+                data, metrics = self.collect.rollouts(t, self.replica)
                 if isinstance(data.scores, Future):  # on its way while this thread makes the next batch's rollouts
                     _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited
@@ -160,6 +199,11 @@ class Pipeline:
         if isinstance(result, BaseException):
             raise result
         data, metrics, v = result
+        if isinstance(data.scores, Future) and hasattr(data.scores, "request"):  # a collective teacher: scored here
+            t1 = time.perf_counter()
+            data.scores = self.collect.teacher.score(*data.scores.request)
+            metrics["time/teacher_s"] += time.perf_counter() - t1
+        metrics = self.collect.reduce(metrics)  # over the ranks: a collective, in the trainer's thread
         staleness = step - 1 - v
         if v != source_version(step, self.S) or staleness > self.S:  # the bound SPEC 6.5 promises
             raise RuntimeError(f"Pipeline: step {step}'s batch came from weight version {v}, {staleness} updates old "
@@ -169,7 +213,7 @@ class Pipeline:
 
     def publish(self, step: int, student) -> None:
         """The weights after step ``step`` (version ``step``); versions no later batch needs are dropped."""
-        weights = _snapshot(student)
+        weights = self.ctx.full_weights(student)  # a collective under FSDP2: every rank, in the trainer's thread
         with self._cond:
             self.versions[step] = weights
             for v in [v for v in self.versions if v < step - self.S]:

@@ -167,9 +167,6 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
     if engines and world > 1:
         raise ConfigError("rollout.engine / teacher.engine: vllm engines run in one process in this version "
                           "(one engine per rank under torchrun is not wired yet); use hf with torchrun")
-    if cfg.train.max_staleness and world > 1:
-        raise ConfigError(f"train.max_staleness: expected 0 under torchrun in this version (the pipelined step runs in "
-                          f"one process; world size {world}), got {cfg.train.max_staleness}")
     if engines and not vllm_available():
         raise ConfigError(f"{engines[0]}: vllm, but the vllm package is not installed; {INSTALL_HINT}")
     if cfg.model.lora is not None and importlib.util.find_spec("peft") is None:
