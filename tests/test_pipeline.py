@@ -43,17 +43,25 @@ def _versions(seed=0, B=3, T=6, V=11, S_max=2):
 
 @pytest.mark.parametrize("S", [0, 1, 2])
 @pytest.mark.parametrize("correction", ["tis", "icepop"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("cfg", [
     dict(loss_mode="topk", support="tail", divergence="reverse", topk=4),
     dict(loss_mode="sampled", estimator="k1", use_policy_gradient=True),
 ])
-def test_corrected_losses_equal_the_float64_reference(S, correction, cfg):
+def test_corrected_losses_equal_the_float64_reference(S, correction, level, cfg):
     z, mask, sampled, ids, lp = _versions()
     current, behaviour = z[-1], z[-1 - S]  # the sampler ran S updates ago
     mu = F.log_softmax(behaviour, -1).gather(-1, sampled[..., None])[..., 0]  # recorded at generation
     pi = F.log_softmax(current, -1).gather(-1, sampled[..., None])[..., 0]
     ratio = torch.exp(pi - mu)
-    cap, band = 1.5, (0.7, 1.4)
+    if level != "token":  # one ratio per sequence: the product of its tokens' ratios, or their geometric mean
+        per_row = torch.where(mask, ratio, 1.0).prod(-1)
+        if level == "geometric":
+            per_row = per_row ** (1.0 / mask.sum(-1).double())
+        ratio = per_row[:, None].expand_as(ratio)
+    # bands that keep some rows and drop others at S = 1 (here the sequence ratios are 0.71, 0.56, 0.29; their
+    # geometric means 0.94, 0.86, 0.78)
+    cap, band = 1.5, {"token": (0.7, 1.4), "sequence": (0.5, 1.4), "geometric": (0.8, 1.2)}[level]
     # the weights from their definition (SPEC 6.5), zero off the mask
     w_ref = torch.clamp(ratio, max=cap) if correction == "tis" else ((ratio >= band[0]) & (ratio <= band[1])).double()
     w_ref = torch.where(mask, w_ref, 0.0)
@@ -64,7 +72,10 @@ def test_corrected_losses_equal_the_float64_reference(S, correction, cfg):
     dc = DistillationConfig(**cfg)
     loss_fn = DistillationLoss(dc)
     old, w, metrics = rollout_mismatch(current, sampled, mask, mu, temperature=1.0, tis_cap=cap if correction == "tis"
-                                       else None, band=band if correction == "icepop" else None, loss=loss_fn)
+                                       else None, band=band if correction == "icepop" else None, level=level,
+                                       loss=loss_fn)
+    if level != "token":  # every token of a row weighs alike
+        assert all(len(set(w[b][mask[b]].tolist())) == 1 for b in range(w.shape[0]))
     torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=0)
     torch.testing.assert_close(old[mask], pi[mask], rtol=1e-12, atol=1e-14)  # the update's own "old" log-probs
     m = metrics.reduce()
@@ -240,6 +251,28 @@ def s1_run(tmp):
     return _steps(c["run_dir"])
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_s1_with_sequence_weights_trains_and_differs_from_token_weights(tmp, s1_run, level, monkeypatch):
+    """``rollout.correction_level`` sequence / geometric: the trainer hands the level to the step (every token of
+    a row gets its row's weight there: the float64 test above), the run trains, and from step 2 (a stale batch)
+    its losses are not the token-level run's."""
+    from opdistill.train import loop as loop_mod
+
+    seen, original = [], loop_mod.train_step
+
+    def recording(*a, mismatch=None, **kw):
+        seen.append(dict(mismatch))
+        return original(*a, mismatch=mismatch, **kw)
+
+    monkeypatch.setattr(loop_mod, "train_step", recording)
+    c = _config(tmp, f"s1_{level}", 1, rollout={"correction": "tis", "tis_cap": 2.0, "correction_level": level})
+    run_training(load_config(base=c), quiet=True)
+    assert [m["level"] for m in seen] == [level] * 5 and seen[0]["tis_cap"] == 2.0
+    got = _steps(c["run_dir"])
+    assert got[0][1] == pytest.approx(s1_run[0][1], rel=1e-5)  # step 1: the current weights sampled (ratio ~1)
+    assert all(abs(a[1] - b[1]) > 1e-4 * abs(b[1]) for a, b in zip(got[1:], s1_run[1:]))
+
+
 @pytest.mark.parametrize("slow", ["collect", "update"])
 def test_s1_gives_the_same_numbers_whichever_stage_is_slow(tmp, s1_run, slow, monkeypatch):
     from opdistill.train import collect as collect_mod, loop as loop_mod
@@ -306,6 +339,10 @@ def test_a_resumed_s2_run_equals_the_uninterrupted_one(tmp):
      "whose pi_train/pi_sampler lies outside are masked), got None"),
     (["rollout.correction=icepop", "rollout.icepop_band=[1.2, 2]"], "rollout.icepop_band: expected [lo, hi] with "
      "0 < lo < 1 < hi, got [1.2, 2.0]"),
+    (["rollout.correction_level=sequence"], "rollout.correction_level: expected token unless rollout.correction is "
+     "tis or icepop (the level of their ratio), got 'sequence'"),
+    (["rollout.correction=none", "rollout.correction_level=geometric"], "rollout.correction_level: expected token "
+     "unless rollout.correction is tis or icepop (the level of their ratio), got 'geometric'"),
     (["rollout.icepop_band=[0.5, 2]"], "rollout.icepop_band: expected null unless rollout.correction is icepop, got "
      "[0.5, 2.0]"),
     (["train.max_staleness=2", "rollout.correction=none", "train.method=off_policy"], "train.method: expected "

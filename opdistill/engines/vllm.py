@@ -287,7 +287,8 @@ def open_engines(cfg, tokenizer, student, resolve: Callable[[str], str]) -> Engi
     band = None if rc.icepop_band is None else tuple(rc.icepop_band)  # set only with correction icepop (config)
     measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None or band is not None
                               or cfg.train.max_staleness > 0)
-    es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap, band=band) if measure else None)
+    es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap, band=band,
+                                 level=rc.correction_level) if measure else None)
     if rc.engine == "vllm":
         es.student = VllmEngine(resolve(cfg.model.student), role="student", dtype=cfg.model.dtype, seed=cfg.train.seed,
                                 max_model_len=rc.vllm_max_model_len,

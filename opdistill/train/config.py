@@ -129,6 +129,9 @@ class RolloutConfig(_Section):
     # train.max_staleness > 0 needs it said: none | tis (tis_cap) | icepop (icepop_band: tokens outside it masked)
     correction: Optional[Literal["none", "tis", "icepop"]] = None
     icepop_band: Optional[list[float]] = None  # icepop: [lo, hi], keep tokens with lo <= pi_train/pi_sampler <= hi
+    # the ratio tis / icepop weigh by: per token, or one per sequence broadcast over its tokens (SPEC 6.5): sequence
+    # = the product of its tokens' ratios, geometric = their geometric mean
+    correction_level: Literal["token", "sequence", "geometric"] = "token"
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share of each colocated vLLM engine
     vllm_sleep: bool = True  # GPU: put the engines to sleep between rollouts (training gets the memory back)
     vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
@@ -403,6 +406,10 @@ class TrainerConfig(_Section):
                  f"{rc.correction} (the cap is tis's)", rc.tis_cap)
             need(rc.correction != "icepop" or rc.icepop_band is not None, "rollout.icepop_band", "[lo, hi] with "
                  "rollout.correction icepop (tokens whose pi_train/pi_sampler lies outside are masked)", rc.icepop_band)
+        if rc.correction_level != "token":
+            need(rc.correction in ("tis", "icepop") or (rc.correction is None and rc.tis_cap is not None),
+                 "rollout.correction_level", "token unless rollout.correction is tis or icepop (the level of their "
+                 "ratio)", rc.correction_level)
         if rc.icepop_band is not None:
             band = rc.icepop_band
             need(rc.correction == "icepop", "rollout.icepop_band", "null unless rollout.correction is icepop", band)

@@ -29,7 +29,8 @@ from opdistill.fused import causal_lm_hidden, no_cache_kwargs
 from opdistill.train.placement import data_to
 
 __all__ = ["StepData", "StepPlan", "token_budget_split", "split_to_count", "group_split", "group_advantages",
-           "train_step", "rollout_mismatch", "tis_weights", "icepop_weights"]
+           "train_step", "rollout_mismatch", "tis_weights", "icepop_weights",
+           "sequence_log_ratio"]
 
 
 @dataclass
@@ -57,6 +58,23 @@ class StepData:
         return self.scores
 
 
+def sequence_log_ratio(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                       level: str) -> torch.Tensor:
+    """``log pi_train - log pi_sampler`` per token (``level`` "token"), or one value per row (a sequence) broadcast
+    over its tokens (SPEC 6.5): "sequence", the sum over the row's response tokens (the log of the sampled
+    sequence's probability ratio); "geometric", that sum over their count (the per-token geometric mean). Detached;
+    0 off ``mask``."""
+    lr = torch.where(mask, train_logprobs.detach() - sampler_logprobs.detach(), 0.0)
+    if level == "token":
+        return lr
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"sequence_log_ratio: level must be token, sequence or geometric, got {level!r}")
+    row = lr.sum(-1, keepdim=True)
+    if level == "geometric":
+        row = row / mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(mask, row.expand_as(lr), 0.0)
+
+
 def tis_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance-sampling weights ``min(exp(log pi_train - log pi_sampler), cap)``, detached (verl's and
     TRL's TIS): the per-token correction for tokens drawn by a sampler whose numerics differ from the trainer's."""
@@ -74,7 +92,8 @@ def icepop_weights(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
 
 @torch.no_grad()
 def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logprobs: torch.Tensor, *,
-                     temperature: float, tis_cap: float | None, band: tuple[float, float] | None = None, loss=None):
+                     temperature: float, tis_cap: float | None, band: tuple[float, float] | None = None,
+                     level: str = "token", loss=None):
     """The trainer's own log-probs of the sampled tokens (at the rollout temperature, the distribution the sampler
     reports) against the sampler's: ``(old log-probs for the losses, TIS weights or None, metrics)``. ``loss``: the
     step's loss object, whose back-end computes the log-probs (default: plain logits on one device).
@@ -85,7 +104,9 @@ def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logpro
     masked); with either, ``rollout/ratio_mean`` and ``rollout/ratio_min`` / ``_max`` (``pi_train / pi_sampler``).
     With a correction the policy-gradient "old" log-probs become the trainer's own (detached), so the PPO ratio
     measures the update only and the sampler/trainer gap (or the staleness of a pipelined step, SPEC 6.5) is
-    corrected by the weight alone (verl's TIS); without one everything is left as it was."""
+    corrected by the weight alone (verl's TIS); without one everything is left as it was. ``level``
+    (``rollout.correction_level``): the ratio of the weights and metrics per token, or per sequence
+    (:func:`sequence_log_ratio`: every token of a row gets its row's weight)."""
     loss = loss if loss is not None else DistillationLoss(DistillationConfig())
     train_lp = loss.token_logprobs(student, tgt, m, temperature=temperature)
     if train_lp.dtype not in (torch.float32, torch.float64):
@@ -97,14 +118,16 @@ def rollout_mismatch(student, tgt: torch.Tensor, m: torch.Tensor, sampler_logpro
     metrics.add_extrema("rollout/logprob_diff", diff.double(), m)
     if tis_cap is None and band is None:
         return sampler_logprobs, None, metrics
-    ratio = torch.exp(train_lp.double() - old.double())
+    log_ratio = sequence_log_ratio(train_lp, old, m, level)  # token: train_lp - old; else one per row
+    ratio = torch.exp(sequence_log_ratio(train_lp.double(), old.double(), m, level))
     metrics.add_mean("rollout/ratio_mean", ratio, m)
     metrics.add_extrema("rollout/ratio", ratio, m)
+    zero = torch.zeros_like(log_ratio)
     if band is not None:
-        w = torch.where(m, icepop_weights(train_lp, old, band), 0.0)
+        w = torch.where(m, icepop_weights(log_ratio, zero, band), 0.0)
         metrics.add_mean("rollout/icepop_maskfrac", 1.0 - w.double(), m)
         return train_lp, w, metrics
-    w = torch.where(m, tis_weights(train_lp, old, tis_cap), 0.0)
+    w = torch.where(m, tis_weights(log_ratio, zero, tis_cap), 0.0)
     metrics.add_mean("rollout/tis_weight_mean", w.double(), m)
     metrics.add_mean("rollout/tis_clipfrac", (ratio > tis_cap).double(), m)
     return train_lp, w, metrics
