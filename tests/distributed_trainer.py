@@ -35,6 +35,27 @@ def record_rollouts(sink: dict):
     return lambda: setattr(engines, "generate_rollouts", original)
 
 
+class count_teacher_requests:
+    """Wrap ``Collector._score`` (where a training step asks its teacher: a server request, an in-process or
+    sharded forward) to record the steps this rank asked for; ``restore()`` puts the original back."""
+
+    def __init__(self):
+        from opdistill.train import collect
+
+        self.steps: list[int] = []
+        self.cls, self.original = collect.Collector, collect.Collector._score
+        original, steps = self.original, self.steps
+
+        def counting(collector, data, rows, step):
+            steps.append(step)
+            return original(collector, data, rows, step)
+
+        self.cls._score = counting
+
+    def restore(self) -> None:
+        self.cls._score = self.original
+
+
 def run_plan(rank: int, world: int, out_dir: str) -> None:
     plan = json.loads((Path(out_dir) / "plan.json").read_text())
     for item in plan:
@@ -53,12 +74,16 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
             dist.barrier()
         sink: dict = {}
         restore = record_rollouts(sink)
+        requests = count_teacher_requests()
         try:
             loop.run_training(cfg, resume=item.get("resume", False), quiet=True)
         finally:
             restore()
+            requests.restore()
         with open(os.path.join(out_dir, f"{item['name']}_tokens_rank{rank}.json"), "w") as f:
             json.dump(sink, f)
+        with open(os.path.join(out_dir, f"{item['name']}_requests_rank{rank}.json"), "w") as f:
+            json.dump(requests.steps, f)
 
 
 def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:

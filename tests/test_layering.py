@@ -36,7 +36,7 @@ LAYERS = [
      "opdistill.train.tensor_parallel", "opdistill.train.wandb_log", "opdistill.train.interrupt"],
     ["opdistill.train.rundir", "opdistill.train.distributed"],
     ["opdistill.train.logger", "opdistill.train.checkpoint", "opdistill.train.step", "opdistill.train.preflight",
-     "opdistill.train.evaluate", "opdistill.train.inputs"],
+     "opdistill.train.evaluate", "opdistill.train.inputs", "opdistill.train.share"],
     ["opdistill.train.collect", "opdistill.train.pipeline"],
     ["opdistill.train.assemble", "opdistill.train.export"],
     ["opdistill.train.loop"],

@@ -371,16 +371,24 @@ def test_pipelined_step_at_world2_equals_world1(runs):
     # a sharded teacher: its scores are the replicated teacher's, so the losses are the replicated run's exactly
     assert _losses(tmp / "w2_on_s1_tshard") == w2[:3]
     assert _world2_tokens(tmp / "out", "on_s1_tshard") == {s: p for s, p in tokens1["on_s1"].items() if int(s) <= 3}
-    # the 1 x 2 mesh (vocab-parallel lm_head), fp64
+    # the 1 x 2 mesh (vocab-parallel lm_head), fp64: the tp leader's thread alone samples and asks the teacher
     _assert_close_rows(_losses(tmp / "tp_on64_s1"), _losses(tmp / "w1_on64_s1"), rel=1e-9)
+    assert _tp_tokens(tmp / "out", "tp_on64_s1") == tokens1["on64_s1"]
 
 
 # -- distributed.tp_size > 1: vocab-parallel lm_head (train/tensor_parallel.py) ------------------------------------
 
-def _tp_tokens(out: Path, name: str, ranks=(0, 1)) -> dict:
-    """The tokens of a run whose ranks all sample the same rows (one data-parallel rank): equal on every rank."""
+def _tp_tokens(out: Path, name: str, ranks=(0, 1), steps: int | None = None) -> dict:
+    """The tokens of the tp ranks ``ranks`` of one data-parallel rank: its first tp rank sampled every step's rows
+    and asked the teacher once per step; its tp peers did neither (they received them: issue 24)."""
     per_rank = [json.loads((out / f"{name}_tokens_rank{r}.json").read_text()) for r in ranks]
-    assert all(t == per_rank[0] for t in per_rank[1:]), "the tp ranks of one dp rank sampled different rows"
+    requests = [json.loads((out / f"{name}_requests_rank{r}.json").read_text()) for r in ranks]
+    assert all(t == {} for t in per_rank[1:]), "a tp peer generated rollouts"
+    assert all(r == [] for r in requests[1:]), "a tp peer asked the teacher"
+    n = len(per_rank[0]) if steps is None else steps
+    assert sorted(map(int, per_rank[0])) == list(range(1, n + 1))
+    if not name.endswith("_rl"):  # rl has no teacher
+        assert requests[0] == list(range(1, n + 1)), requests[0]  # once per step, in order
     return per_rank[0]
 
 

@@ -6,7 +6,8 @@
 Sampling is reseeded from (seed, step) at every step and keyed by (seed, step, global prompt index, sample index)
 (``opdistill.engines.sampler``), so a resumed run, and a run at another world size, draws the same samples. Under
 data parallelism each rank takes a contiguous share of the step's prompts (all ``rollout.n`` samples of a prompt: a
-GRPO group stays on one rank); the metrics are reduced over the ranks. The teacher's request may still be on its way
+GRPO group stays on one rank); the metrics are reduced over the ranks. Under tensor parallelism only the first tp
+rank of a data-parallel rank samples and asks the teacher; its peers receive the result (``Collector.share``). The teacher's request may still be on its way
 when the step starts (a remote teacher with ``overlap``: ``StepData.scores`` is then a Future).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opdistill.data import PromptSource, Task, render_prompt
 from opdistill.engines.vllm import EngineSet
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.distributed import DistContext
+from opdistill.train.share import share_step
 from opdistill.train.step import StepData, group_advantages
 
 __all__ = ["Collector", "needs_sampler_logprobs", "score_request", "student_choices", "union_ids"]
@@ -70,8 +72,14 @@ class Collector:
     def __call__(self, step: int, student) -> tuple[StepData, dict]:
         if self.cache is not None:
             return self._from_cache(step)
-        data, local = self.rollouts(step, student)
+        data, local = self.rollouts(step, student) if self.ctx.tp_leader else (None, None)
+        data, local = self.share(data, local)
         return data, self.reduce(local)
+
+    def share(self, data: StepData | None, local: dict | None) -> tuple[StepData, dict]:
+        """Under tensor parallelism the first tp rank's ``(data, local)`` on its tp peers, which made none (each
+        rollout and teacher request once per data-parallel rank: opdistill/train/share.py); else unchanged."""
+        return share_step(self.ctx, data, local, self.teacher)
 
     def rollouts(self, step: int, student) -> tuple[StepData, dict]:
         """Step ``step``'s rows and scores on this rank, and its metrics before they are reduced over the ranks

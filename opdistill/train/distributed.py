@@ -39,24 +39,32 @@ from opdistill.runs.files import flatten_config
 from opdistill.train.config import config_to_dict
 from opdistill.train.placement import run_device
 
-__all__ = ["DistContext", "PeerError", "agree_on_config", "init_distributed", "launched_by_torchrun",
-           "resolve_backend", "wrap_student"]
+__all__ = ["DistContext", "PeerError", "agree_on_config", "broadcast_bytes", "broadcast_text", "init_distributed",
+           "launched_by_torchrun", "resolve_backend", "wrap_student"]
 
 
-def broadcast_text(text: str | None, group, src_index: int = 0) -> str | None:
-    """The ``text`` (or None) of the group's rank ``src_index`` (default its first) on every rank of ``group``, as
-    UTF-8 bytes in two tensor broadcasts (a length, -1 for None, then the bytes): no pickle between ranks
+def broadcast_bytes(body: bytes | None, group, src_index: int = 0) -> bytes | None:
+    """The ``body`` (or None) of the group's rank ``src_index`` (default its first) on every rank of ``group``, in
+    two tensor broadcasts (a length, -1 for None, then the bytes): no pickle between ranks
     (``broadcast_object_list`` unpickles what it receives)."""
     src = dist.get_global_rank(group, src_index)
-    data = None if text is None else torch.tensor(list(text.encode()), dtype=torch.uint8)
+    data = None if body is None else torch.frombuffer(bytearray(body), dtype=torch.uint8)
     size = torch.tensor([-1 if data is None else data.numel()], dtype=torch.long)
     dist.broadcast(size, src=src, group=group)
     if int(size) < 0:
         return None
     if data is None:
         data = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(data, src=src, group=group)
-    return bytes(data.tolist()).decode()
+    if data.numel():
+        dist.broadcast(data, src=src, group=group)
+    return data.numpy().tobytes()
+
+
+def broadcast_text(text: str | None, group, src_index: int = 0) -> str | None:
+    """The ``text`` (or None) of the group's rank ``src_index`` on every rank of ``group`` (UTF-8,
+    :func:`broadcast_bytes`)."""
+    body = broadcast_bytes(None if text is None else text.encode(), group, src_index)
+    return None if body is None else body.decode()
 
 
 def agree_on_config(config: dict, group) -> None:
@@ -137,6 +145,12 @@ class DistContext:
         """(data-parallel rank, data-parallel size): the rank and world at tp_size 1."""
         return (self.rank if self.dp_rank is None else self.dp_rank,
                 self.world if self.dp_world is None else self.dp_world)
+
+    @property
+    def tp_leader(self) -> bool:
+        """Whether this rank makes its data-parallel rank's rollouts and teacher requests: the first rank of its tp
+        group (every rank at tp_size 1); its tp peers receive them (opdistill/train/share.py)."""
+        return self.tp is None or dist.get_rank(self.tp.group) == 0
 
     @property
     def world_group(self):

@@ -168,13 +168,15 @@ class Pipeline:
                 weights = self.versions[v]
             waited = time.perf_counter() - t0
             try:
-                if self.engine is None:
-                    self.replica.load_state_dict(weights)
-                elif self._pushed != v:
-                    self.engine.load_weights(weights.items())
-                    self._pushed = v
-                data, metrics = self.collect.rollouts(t, self.replica)
-                if isinstance(data.scores, Future):  # on its way while this thread makes the next batch's rollouts
+                data, metrics = None, {}  # a tp peer: its leader's batch arrives in get()
+                if self.ctx.tp_leader:
+                    if self.engine is None:
+                        self.replica.load_state_dict(weights)
+                    elif self._pushed != v:
+                        self.engine.load_weights(weights.items())
+                        self._pushed = v
+                    data, metrics = self.collect.rollouts(t, self.replica)
+                if data is not None and isinstance(data.scores, Future):  # answered while the next batch is made
                     _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited
                 result = (data, metrics, v)
@@ -199,11 +201,14 @@ class Pipeline:
         if isinstance(result, BaseException):
             raise result
         data, metrics, v = result
-        if isinstance(data.scores, Future) and hasattr(data.scores, "request"):  # a collective teacher: scored here
-            t1 = time.perf_counter()
+        if data is not None and isinstance(data.scores, Future) and hasattr(data.scores, "request"):
+            t1 = time.perf_counter()  # a collective teacher: scored here
             data.scores = self.collect.teacher.score(*data.scores.request)
             metrics["time/teacher_s"] += time.perf_counter() - t1
+        wait_version = metrics.pop("time/wait_version_s")
+        data, metrics = self.collect.share(data, metrics if data is not None else None)  # tp: to the peers
         metrics = self.collect.reduce(metrics)  # over the ranks: a collective, in the trainer's thread
+        metrics["time/wait_version_s"] = wait_version
         staleness = step - 1 - v
         if v != source_version(step, self.S) or staleness > self.S:  # the bound SPEC 6.5 promises
             raise RuntimeError(f"Pipeline: step {step}'s batch came from weight version {v}, {staleness} updates old "
