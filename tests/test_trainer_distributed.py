@@ -87,7 +87,12 @@ def _configs(tmp: Path) -> dict:
 
     on_s1_tshard = {**s1(on, steps=3), "model": {**on["model"], "teacher_sharded": True},
                     "checkpoint": {"every": 0, "save_final": False}}
-    return {"on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt, "on_tshard": on_tshard,
+    # decoding from the FSDP2 shards (distributed.decode sharded, no replica): 5 held-out problems in chunks of 2
+    # (3 on rank 0, 2 on rank 1: 2 chunks against 1) so the ranks' forwards must be kept in step
+    dsharded = {**on, "train": {**on["train"], "steps": 3}, "distributed": {"decode": "sharded"},
+                "eval": {"num_prompts": 5, "batch_size": 2}, "checkpoint": {"every": 0, "save_final": False}}
+    return {"dsharded": dsharded, "on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
+            "on_tshard": on_tshard,
             "on_s1": s1(on), "on_s1_tshard": on_s1_tshard, "on64_s1": s1(on64, steps=3)}
 
 
@@ -182,6 +187,7 @@ def runs(tmp_path_factory):
         # two routed teachers with the vocab-parallel lm_head (1 x 2): routed micro-batches, per-teacher metrics
         {"name": "tp_mt", "config": _with_run_dir(_tp(cfgs["mt"]), tmp / "tp_mt")},
         # the pipelined step (train.max_staleness 1): FSDP2, its resume, a sharded teacher, the 1 x 2 mesh in fp64
+        {"name": "dsharded", "config": _with_run_dir(cfgs["dsharded"], tmp / "w2_dsharded")},
         {"name": "on_s1", "config": _with_run_dir(cfgs["on_s1"], tmp / "w2_on_s1")},
         {"name": "on_s1_resume", "config": _with_run_dir(cfgs["on_s1"], tmp / "w2_on_s1_resume"), "resume": True,
          "prepare_resume_from": str(tmp / "w2_on_s1"), "resume_step": 2},
@@ -194,7 +200,7 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1"):
+    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
@@ -341,6 +347,23 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     assert state["step"] == 4
     for (n, a), (m, b) in zip(exported.state_dict().items(), from_dcp.state_dict().items()):
         assert n == m and torch.equal(a, b), n
+
+
+def test_decoding_from_the_shards_equals_world1(runs):
+    """``distributed.decode: sharded`` (issue 24): no replica of the student; rollouts and the evaluation decode
+    with the FSDP2 student itself, every forward gathering each layer's shards, the ranks' forwards kept in step
+    though each decodes its own rows (and rank 0 has a chunk of held-out prompts more). The same sampled tokens as
+    world 1, the per-step losses within 1e-5, the evaluation's accuracies exactly (its log-prob sums to 1e-4)."""
+    tmp, _, tokens1 = runs
+    assert _world2_tokens(tmp / "out", "dsharded") == tokens1["dsharded"]
+    w1, w2 = _losses(tmp / "w1_dsharded"), _losses(tmp / "w2_dsharded")
+    assert len(w1) == 3 and all(gn > 0 for *_, gn in w1)
+    _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)
+    rows, want = _eval_rows(tmp / "w2_dsharded"), _eval_rows(tmp / "w1_dsharded")
+    assert len(rows) == len(want) == 2 and set(rows[0]) == set(want[0])
+    for a, b in zip(rows, want):
+        for k in b:
+            assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
 
 
 def test_pipelined_step_at_world2_equals_world1(runs):
@@ -706,3 +729,33 @@ def test_a_sharded_teacher_needs_a_held_out_problem_on_every_rank():
     check_held_out(cfg, 4, **layout)  # one each
     check_held_out(cfg, 0, **layout)  # no evaluation at all
     check_held_out(_tp_config(), 3, **layout)  # a replicated teacher: a rank with no problem just reports zeros
+
+
+def test_a_sharded_student_needs_a_held_out_problem_on_every_rank():
+    """distributed.decode sharded: a rank with no held-out problem would skip its decoding forwards."""
+    from opdistill.train.preflight import check_held_out
+
+    cfg = _tp_config(distributed={"decode": "sharded"})
+    with pytest.raises(ConfigError) as e:
+        check_held_out(cfg, 1, world=2, dp=2)
+    assert str(e.value) == ("eval.num_prompts: the held-out set has 1 problem(s), fewer than the 2 data-parallel "
+                            "ranks; with distributed.decode sharded every rank evaluates at least one (add held-out "
+                            "rows, or set eval.num_prompts=0)")
+    check_held_out(cfg, 2, world=2, dp=2)
+    check_held_out(cfg, 1, world=1, dp=1)  # one process: nothing is sharded
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"distributed": {"decode": "sharded", "strategy": "ddp"}}, "with distributed.strategy ddp (DDP keeps the whole "
+     "student on every rank; nothing is sharded to decode from)"),
+    ({"distributed": {"decode": "sharded", "tp_size": 2}}, "with distributed.tp_size > 1 (the vocab-parallel "
+     "lm_head gives each rank a slice of the logits; decoding needs them whole)"),
+    ({"distributed": {"decode": "sharded"}, "train": {"max_staleness": 1}, "rollout": {"correction": "none"}},
+     "with train.max_staleness 1 (the pipelined step decodes in its own thread from whole weight versions)"),
+    ({"distributed": {"decode": "sharded"}, "rollout": {"engine": "vllm"}}, "with rollout.engine vllm (the engine "
+     "holds its own weights)"),
+])
+def test_sharded_decoding_refuses_what_has_no_shards_to_decode_from(over, why):
+    with pytest.raises(ConfigError) as e:
+        _tp_config(**over)
+    assert str(e.value) == f"distributed.decode: expected replica {why}, got 'sharded'"

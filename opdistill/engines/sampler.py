@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Samples", "sample", "truncate_logits", "row_key"]
+__all__ = ["Lockstep", "Samples", "lockstep", "sample", "truncate_logits", "row_key"]
 
 
 @dataclass
@@ -297,6 +297,64 @@ class _LeanDecoder:
         return F.linear(self._rms(x, self.norm), *self.lm_head)
 
 
+class Lockstep:
+    """Decoding with a model whose parameters are sharded over a group (FSDP2: every forward gathers each layer's
+    shards, a collective): every rank of the group must run the same number of forwards, though each decodes its own
+    rows and stops at its own EOS. So the ranks agree on the number of prompt chunks, and after every token on
+    whether any of them still decodes; a rank with nothing left runs a one-token forward for each token the others
+    still decode (its gathers answer theirs)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def _max(self, value: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
+    def chunks(self, n: int) -> int:
+        """The most prompt chunks any rank has."""
+        return self._max(n)
+
+    def any(self, alive: bool) -> bool:
+        """Whether any rank still decodes after this token."""
+        return bool(self._max(int(alive)))
+
+    @staticmethod
+    def forward(model, pad_id: int = 0, device=None) -> None:
+        """One one-token forward (its gathers answer another rank's forward of real rows)."""
+        model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device), use_cache=False)
+
+    def idle(self, model, pad_id: int, device) -> None:
+        """One-token forwards while the other ranks decode, until none does."""
+        while True:
+            self.forward(model, pad_id, device)
+            if not self.any(False):
+                return
+
+    @staticmethod
+    def release(model) -> None:
+        """Back to the shards (FSDP2 keeps the root's weights gathered after a forward)."""
+        if hasattr(model, "reshard"):
+            model.reshard()
+
+
+def lockstep(model) -> "Lockstep | None":
+    """A :class:`Lockstep` for a model whose parameters are DTensors over a 1-D mesh of several ranks (the FSDP2
+    student of ``distributed.decode: sharded``), else None."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.size() > 1:
+            if p.device_mesh.ndim != 1:
+                raise ValueError("sample: a model sharded over a mesh of more than one dimension cannot decode "
+                                 "(use a plain replica: distributed.decode replica)")
+            return Lockstep(p.device_mesh.get_group())
+    return None
+
+
 def _cat_linear(mods) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of one linear computing ``mods`` side by side (a missing bias is zeros: ``+ 0`` is exact)."""
     weight = torch.cat([m.weight for m in mods], dim=0)
@@ -337,10 +395,17 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
         raise ValueError(f"want_topk must be an int >= 0, got {want_topk!r}")
     topk_ids: list[list[list[int]]] | None = [[] for _ in tokens] if want_topk else None
     lean = _lean_decoder(model) if lean_decode else None
+    lock = lockstep(model)  # a sharded model: every forward in step with the other ranks
+    starts = list(range(0, len(prompts), batch_size))
+    if lock is not None:
+        starts += [None] * (lock.chunks(len(starts)) - len(starts))  # chunks another rank has: forwards in step
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(prompts), batch_size):
+        for start in starts:
+            if start is None:  # no prompt left here: the others' prefill, then their tokens
+                lock.idle(model, pad_id, device)
+                continue
             chunk = prompts[start : start + batch_size]
             B, P = len(chunk), max(len(p) for p in chunk)
             ids = torch.full((B, P), pad_id, dtype=torch.long)
@@ -402,10 +467,15 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                         logprobs[o].append(lp_list[r])
                     if top_list is not None:
                         topk_ids[o].append(top_list[r])
-                if t + 1 == max_new_tokens:
-                    break
-                keep = [r for r, x in enumerate(tok_list) if x != eos_id]
-                if not keep:
+                last = t + 1 == max_new_tokens
+                keep = [] if last else [r for r, x in enumerate(tok_list) if x != eos_id]
+                if lock is not None:  # every rank says whether it decodes on, after every token
+                    if not keep:
+                        if lock.any(False):  # the others still decode: forwards in step until they end
+                            lock.idle(model, pad_id, device)
+                        break
+                    lock.any(True)
+                elif not keep:
                     break
                 if len(keep) < len(tok_list):  # drop finished rows from the batch and the cache
                     sel = torch.tensor(keep, device=device)
@@ -430,6 +500,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                                    use_cache=True, **{cache_arg: cache}, **extra).logits[:, -1, :]
     finally:
         model.train(was_training)
+        if lock is not None:
+            lock.release(model)
     texts = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
     return Samples(tokens, [r // n for r in range(len(tokens))], [r % n for r in range(len(tokens))], logprobs,
                    texts, topk_ids)

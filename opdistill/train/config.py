@@ -224,6 +224,10 @@ class DistributedConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = Field(1800.0, gt=0)  # collective timeout
     tp_size: int = Field(1, ge=1)  # tensor (vocab) parallel size of the student's lm_head (train/tensor_parallel.py)
+    # what rollouts and evaluation decode with under fsdp2: replica = a whole plain copy of the student per rank
+    # (refreshed from the shards before each use; fastest), sharded = the FSDP2 student itself, each layer gathered
+    # for its forward and freed after, the ranks' forwards in step (no copy: docs/distributed.md)
+    decode: Literal["replica", "sharded"] = "replica"
 
 
 class TeacherConfig(_Section):
@@ -419,6 +423,16 @@ class TrainerConfig(_Section):
             need(rc.correction is not None, "rollout.correction", f"none, tis (with rollout.tis_cap) or icepop (with "
                  f"rollout.icepop_band), said explicitly with train.max_staleness {S}: the rollouts come from a policy "
                  f"{S} updates old", rc.correction)
+        if self.distributed.decode == "sharded":
+            no, dc = "distributed.decode", self.distributed
+            need(dc.strategy == "fsdp2", no, "replica with distributed.strategy ddp (DDP keeps the whole student on "
+                 "every rank; nothing is sharded to decode from)", dc.decode)
+            need(dc.tp_size == 1, no, "replica with distributed.tp_size > 1 (the vocab-parallel lm_head gives each "
+                 "rank a slice of the logits; decoding needs them whole)", dc.decode)
+            need(not S, no, f"replica with train.max_staleness {S} (the pipelined step decodes in its own thread "
+                 "from whole weight versions)", dc.decode)
+            need(self.rollout.engine == "hf", no, "replica with rollout.engine vllm (the engine holds its own "
+                 "weights)", dc.decode)
         if self.model.teacher_sharded:  # an in-process teacher that only scores (opdistill/train/sharded_teacher.py)
             no = "model.teacher_sharded"
             need(self.teacher.url is None, no, "false with teacher.url (the server holds the teacher)", True)

@@ -122,6 +122,7 @@ class DistContext:
     group: object = None
     mesh: object = None
     strategy: str = "none"  # none | ddp | fsdp2
+    decode: str = "replica"  # distributed.decode: what rollouts decode with under fsdp2 (replica | sharded)
     owns_group: bool = False  # init_distributed created the process group (and destroys it on close)
     # distributed.tp_size > 1 (train/tensor_parallel.py): ``group`` and ``mesh`` are then the data-parallel ones,
     # ``rank``/``world`` stay global; the tp ranks of a dp rank share its rows
@@ -221,9 +222,10 @@ class DistContext:
 
     # -- the student --------------------------------------------------------------------------------------------
     def rollout_model(self, model):
-        """The module to decode with (rollouts, evaluation): no collective in its forward. Under FSDP2 the plain
-        replica, refreshed from the sharded weights (every rank must call this at the same point); otherwise
-        ``model`` itself (the wrapped module under DDP)."""
+        """The module to decode with (rollouts, evaluation). Under FSDP2 the plain replica, refreshed from the
+        sharded weights (every rank must call this at the same point; no collective in its forward); with
+        ``distributed.decode: sharded`` the FSDP2 student itself (the sampler runs its forwards in step with the
+        other ranks); otherwise ``model`` itself (the wrapped module under DDP)."""
         if self._replica is None:
             return getattr(model, "module", model)
         from torch.distributed.tensor import DTensor
@@ -282,7 +284,7 @@ def init_distributed(cfg) -> DistContext:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=dc.timeout_s))
         owns = True
     world, rank = dist.get_world_size(), dist.get_rank()
-    ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, owns_group=owns)
+    ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, decode=dc.decode, owns_group=owns)
     try:
         from opdistill.train.tensor_parallel import build_mesh, check_tp_config
 
@@ -323,7 +325,8 @@ def wrap_student(ctx: DistContext, student):
         return DistributedDataParallel(student, process_group=ctx.group)
     from torch.distributed.fsdp import fully_shard
 
-    ctx._replica = copy.deepcopy(student).requires_grad_(False).eval()
+    if ctx.decode == "replica":  # decode: sharded decodes from the FSDP2 student itself (engines/sampler.py)
+        ctx._replica = copy.deepcopy(student).requires_grad_(False).eval()
     if ctx.tp is not None:  # the lm_head (and a tied embedding) sharded on the vocabulary over tp, before FSDP2
         from opdistill.train.tensor_parallel import shard_student
 

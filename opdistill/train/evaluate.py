@@ -24,6 +24,7 @@ from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
 from opdistill.engines.rollout import generate_rollouts
+from opdistill.engines.sampler import lockstep
 from opdistill.runs.values import EvalValues
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 
@@ -101,7 +102,14 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     lp = torch.where(m.unsqueeze(-1), scores.topk.logprobs, float("-inf"))  # masked rows: empty slots
     dev = next(student.parameters()).device  # train.device cuda: the rows go there, the sums come back
     step = _diagnostic_rows(student, s.input_ids.shape[1], batch_size)
-    for r0 in range(0, s.num_rows, step):
+    starts = list(range(0, s.num_rows, step))
+    lock = lockstep(student)  # a sharded student (distributed.decode sharded): as many forwards as the other ranks
+    if lock is not None:
+        starts += [None] * (lock.chunks(len(starts)) - len(starts))
+    for r0 in starts:
+        if r0 is None:
+            lock.forward(student, device=dev)
+            continue
         rows = slice(r0, r0 + step)
         logits = student(input_ids=s.input_ids[rows].to(dev), attention_mask=s.attention_mask[rows].to(dev)).logits
         res = topk_divergence(logits.float(), ids[rows].to(dev), lp[rows].to(dev), support="tail",
@@ -109,6 +117,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
         mr = m[rows]
         for acc, x in ((tail, res.loss), (q, res.student_mass), (p, res.teacher_mass), (overlap, res.overlap_count)):
             acc[rows] = torch.where(mr, x.double().cpu(), 0.0).sum(-1)
+    if lock is not None:
+        lock.release(student)
     vals.tail_kl_sum, vals.student_mass_sum = _per_problem(tail, idx, P), _per_problem(q, idx, P)
     vals.teacher_mass_sum, vals.overlap_count = _per_problem(p, idx, P), _per_problem(overlap, idx, P)
     vals.overlap_slots = vals.tokens * ids.shape[-1]

@@ -217,12 +217,17 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
 
 
 def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) -> None:
-    """A sharded teacher scores in every rank's evaluation, so every data-parallel rank needs at least one held-out
-    problem (a rank without one would skip its forwards while the others wait on its gathers): refused in one line."""
-    if cfg.model.teacher_sharded and world > 1 and cfg.eval.sampled and 0 < held_out < dp:
-        raise ConfigError(f"eval.num_prompts: the held-out set has {held_out} problem(s), fewer than the "
-                          f"{dp} data-parallel ranks; with model.teacher_sharded every rank evaluates at least one "
-                          f"(add held-out rows, or set eval.num_prompts=0)")
+    """A sharded teacher scores in every rank's evaluation, and a sharded student decodes it, so every
+    data-parallel rank needs at least one held-out problem (a rank without one would skip its forwards while the
+    others wait on its gathers): refused in one line."""
+    if world < 2 or not 0 < held_out < dp:
+        return
+    for key, on in (("model.teacher_sharded", cfg.model.teacher_sharded and cfg.eval.sampled),
+                    ("distributed.decode sharded", cfg.distributed.decode == "sharded")):
+        if on:
+            raise ConfigError(f"eval.num_prompts: the held-out set has {held_out} problem(s), fewer than the "
+                              f"{dp} data-parallel ranks; with {key} every rank evaluates at least one "
+                              f"(add held-out rows, or set eval.num_prompts=0)")
 
 
 def _softcap(info: ModelInfo):
