@@ -31,6 +31,8 @@ __all__ = [
     "ModelError",
     "model_folder",
     "load_model",
+    "empty_model",
+    "weight_files",
     "load_tokenizer",
     "check_compatible",
     "model_config",
@@ -105,6 +107,48 @@ def load_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_
         p, dtype=parse_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code, **extra), path, key)
     model.eval()
     return model
+
+
+def empty_model(path: str | os.PathLike, *, dtype: str = "float32", trust_remote_code: bool = False,
+                key: str | None = None, attn_implementation: str | None = None):
+    """The model of folder ``path`` with no weight read: its parameters on the meta device (buffers, such as the
+    rotary tables, computed as usual), ``config._name_or_path`` the folder; eval mode. What a sharded teacher is
+    built from before each rank reads only its shards (:func:`weight_files`, ``opdistill.teachers.sharded``)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+
+    def build(p):
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code, **extra)
+        model.tie_weights()  # built under init_empty_weights, a tied head is a separate meta tensor until now
+        model.config._name_or_path = str(p)
+        return model
+
+    model = _from_pretrained(build, path, key)
+    model.eval()
+    return model
+
+
+def weight_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it} of a model folder (``model.safetensors``, or the files a
+    ``model.safetensors.index.json`` maps); a folder without either is a :class:`ModelError`."""
+    import json
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ModelError(f"{folder}: no model.safetensors or model.safetensors.index.json to read shards from")
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
 
 
 def _special_tokens(tok) -> dict[str, tuple[str | None, int | None]]:

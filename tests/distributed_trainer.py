@@ -94,7 +94,7 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from opdistill.models import load_model
+    from opdistill.models import empty_model, load_model
     from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, ShardedTeacher
 
     def rows(n, seed, S=9):
@@ -110,10 +110,12 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
 
     vocab = load_model(teacher_dir).config.vocab_size
     mesh = init_device_mesh_cpu(world)
-    out = {"exact": [], "forwards": [], "sharded_after": []}
-    for row_chunk in (2, 64):
+    out = {"exact": [], "forwards": [], "sharded_after": [], "local_fraction": []}
+    for row_chunk, source in ((2, "loaded"), (64, "loaded"), (2, "shards")):
         reference = load_model(teacher_dir)
-        sharded = ShardedTeacher(load_model(teacher_dir), mesh, mesh.get_group(), row_chunk=row_chunk)
+        # "shards": built on the meta device, each rank reading only its rows from the safetensors file
+        model = load_model(teacher_dir) if source == "loaded" else empty_model(teacher_dir)
+        sharded = ShardedTeacher(model, mesh, mesh.get_group(), row_chunk=row_chunk)
         cases = [(5 if rank == 0 else 2, dict(k=4, sampled=True)),
                  (0 if rank == world - 1 else 3, dict(k=None, sampled=True)),
                  (3 if rank == 0 else 1, dict(k=4, sampled=False))]
@@ -132,6 +134,8 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
         out["forwards"].append(sharded.forwards)
         w = sharded.model.get_output_embeddings().weight
         out["sharded_after"].append(isinstance(w, DTensor) and w.to_local().shape[0] < w.shape[0])
+        local = sum(p.to_local().numel() for p in sharded.model.parameters())
+        out["local_fraction"].append(local / sum(p.numel() for p in reference.parameters()))
     return out
 
 

@@ -274,13 +274,16 @@ def test_world2_evaluation_equals_world1(runs):
 def test_sharded_teacher_scores_equal_the_replicated_teachers(runs):
     """``model.teacher_sharded``: FSDP2's gathered weights are the teacher's, so the scores are bit-identical, also
     with row counts that differ by rank (padding forwards keep FSDP2's collectives in step: same count per rank)
-    and a rank with no row; the weights are sharded again after each call."""
+    and a rank with no row; the weights are sharded again after each call. Also for a teacher built on the meta
+    device whose ranks read only their own rows of each weight from the folder (issue 24 part 4)."""
     tmp, _, _ = runs
     results = [json.loads((tmp / "out" / f"sharded_scores_rank{r}.json").read_text()) for r in (0, 1)]
     for r in results:
-        assert r["exact"] == [True] * 6
-        assert r["forwards"] == [7, 3]  # row_chunk 2: 3 + 2 + 2 chunks on the longest rank; row_chunk 64: 1 per call
-        assert r["sharded_after"] == [True, True]
+        assert r["exact"] == [True] * 9  # the third teacher read only its shards from the folder (issue 24)
+        # row_chunk 2: 3 + 2 + 2 chunks on the longest rank; row_chunk 64: 1 per call
+        assert r["forwards"] == [7, 3, 7]
+        assert r["sharded_after"] == [True, True, True]
+        assert all(f <= 0.5 + 0.02 for f in r["local_fraction"])  # each rank holds half of every weight (+ a row)
 
 
 def test_sharded_teacher_trains_as_the_replicated_one(runs):
@@ -759,3 +762,32 @@ def test_sharded_decoding_refuses_what_has_no_shards_to_decode_from(over, why):
     with pytest.raises(ConfigError) as e:
         _tp_config(**over)
     assert str(e.value) == f"distributed.decode: expected replica {why}, got 'sharded'"
+
+
+def test_a_sharded_teacher_too_large_for_a_rank_is_refused_before_loading(tmp_path):
+    """model.teacher_sharded reads each rank's shards from the folder; what that takes (the shards plus the largest
+    unit a forward gathers whole) comes from the safetensors headers alone and is checked against what the rank has
+    before any weight is read."""
+    from safetensors.torch import load_file
+
+    from opdistill.train.preflight import check_teacher_shards_fit, sharded_teacher_bytes
+
+    folder = make_model_dir(tmp_path / "teacher", hidden=32, layers=2, seed=1)
+    units: dict = {}
+    for name, t in load_file(str(Path(folder) / "model.safetensors")).items():  # the tensors themselves
+        unit = name.split(".")[2] if name.startswith("model.layers.") else "root"
+        units[unit] = units.get(unit, 0) + t.numel() * 4  # float32
+    assert set(units) == {"0", "1", "root"}
+    shards, largest = sharded_teacher_bytes(folder, "float32", 2)
+    assert shards == sum(-(-b // 2) for b in units.values()) and largest == max(units.values())
+    assert sharded_teacher_bytes(folder, "bfloat16", 4) == (sum(-(-b // 2 // 4) for b in units.values()),
+                                                            max(units.values()) // 2)
+    cfg = _tp_config(model={"student": "s", "teacher": folder, "teacher_sharded": True})
+    check_teacher_shards_fit(cfg, folder, dp=2, available=(shards + largest, "free"))  # exactly fits
+    with pytest.raises(ConfigError) as e:
+        check_teacher_shards_fit(cfg, folder, dp=2, available=(shards + largest - 1, "free on this rank's GPU"))
+    gib = 1 << 30
+    assert str(e.value) == (f"model.teacher_sharded: the teacher's shards ({shards / gib:.2f} GiB per rank over 2 "
+                            f"ranks, float32) plus the largest layer a forward gathers ({largest / gib:.2f} GiB) "
+                            f"exceed the {(shards + largest - 1) / gib:.2f} GiB free on this rank's GPU; use more "
+                            f"ranks, a smaller model.dtype, or a teacher server (teacher.url)")

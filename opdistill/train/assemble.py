@@ -33,7 +33,7 @@ from opdistill.data import DatasetTask, PromptSource, Task, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.errors import IncompatibleModelsError
 from opdistill.fused import check_lm_head
-from opdistill.models import (check_compatible, load_model, load_tokenizer, model_config, resolve_model_path,
+from opdistill.models import (check_compatible, empty_model, load_model, load_tokenizer, model_config, resolve_model_path,
                               truncate_layers)
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
@@ -66,17 +66,20 @@ def build_task(cfg: TrainerConfig) -> Task:
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
-def load_models(cfg: TrainerConfig, tok=None):
+def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False):
     """(tokenizer, student, teacher or None) as the config asks (``tok``: the student's tokenizer, when already
     read); refuses incompatible pairs and NaN/inf weights before any training. The teacher is ``model.teacher``
-    (None with ``teacher.url`` or ``teachers``), or the LoRA student's base for ``model.teacher: self``."""
+    (None with ``teacher.url`` or ``teachers``), or the LoRA student's base for ``model.teacher: self``.
+    ``teacher_shards``: the teacher is built without its weights (``model.teacher_sharded`` under torchrun: each
+    rank reads only its shards when it is sharded, ``opdistill.teachers.sharded``)."""
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
     if mc.teacher and mc.teacher != SELF and cfg.teacher.url is None:  # teacher.url: the server scores
         teacher_path = resolve_model_path(mc.teacher)
-        teacher = load_model(teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
-                             attn_implementation=mc.attn_implementation)
+        teacher = (empty_model if teacher_shards else load_model)(
+            teacher_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+            attn_implementation=mc.attn_implementation)
         teacher.requires_grad_(False)
         t_tok = load_tokenizer(teacher_path, trust_remote_code=mc.trust_remote_code)
     tok = tok if tok is not None else load_tokenizer(student_path, trust_remote_code=mc.trust_remote_code)
@@ -322,7 +325,8 @@ def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite:
 def _load(cfg: TrainerConfig, ctx: DistContext, tok, models):
     """(student, {config key: in-process teacher model}), loaded, checked, placed and wrapped."""
     torch.manual_seed(cfg.train.seed)
-    _, student, teacher = models if models is not None else load_models(cfg, tok)
+    _, student, teacher = models if models is not None else load_models(
+        cfg, tok, teacher_shards=ctx.enabled and cfg.model.teacher_sharded)
     given = teacher if isinstance(teacher, dict) else None
     teacher = None if isinstance(teacher, dict) else teacher
     if models is not None:  # handed in: what load_models checks, before any evaluation

@@ -22,6 +22,7 @@ against the loaded teacher (``opdistill.train.assemble``). Each failure is a :cl
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ def check_finite_model(key: str, model, path) -> None:
     """:func:`check_finite_weights` for one model loaded from ``path`` (a ``teachers`` entry's: ``key``
     teachers.N.path)."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:  # not read yet (a sharded teacher's: checked shard by shard when each rank reads its own)
+            continue
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ModelError(f"{key}: weight {name} of {path!r} holds NaN/inf (a corrupt or diverged model folder); "
                              f"use an intact model folder")
@@ -214,6 +217,70 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
     check_metadata(cfg, tokenizer, student, teachers, task)
     check_routing(cfg, task)
     check_held_out(cfg, held_out, world=world, dp=dp)
+    if cfg.model.teacher_sharded and world > 1:
+        for t in teachers:
+            if t.key == "model.teacher" and t.path is not None:
+                check_teacher_shards_fit(cfg, t.path, dp=dp)
+
+
+def sharded_teacher_bytes(folder, dtype: str, dp: int) -> tuple[int, int]:
+    """(bytes of one rank's shards, bytes of the largest unit a forward gathers whole: a decoder layer, or the root:
+    embeddings, final norm, lm_head) of the teacher in ``folder`` at ``dtype`` sharded over ``dp`` ranks, from the
+    safetensors headers alone (no weight read)."""
+    import re
+
+    from safetensors import safe_open
+
+    from opdistill.models import parse_dtype, weight_files
+
+    size = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    units: dict[str, int] = {}
+    by_file: dict = {}
+    for name, f in weight_files(folder).items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), "pt") as h:
+            for name in names:
+                shape = h.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                m = re.search(r"\.layers\.(\d+)\.", name)
+                key = f"layer {m.group(1)}" if m else "root"
+                # a row more than the even share: torch.chunk's rounding up on dim 0
+                units[key] = units.get(key, 0) + n * size
+    shards = sum(-(-b // dp) for b in units.values())
+    return shards, max(units.values(), default=0)
+
+
+def _available_bytes(device_type: str) -> tuple[int | None, str]:
+    """(bytes this rank may use, where they are) for a sharded teacher: a GPU's free memory, or on CPU the node's
+    MemAvailable shared by its ranks (LOCAL_WORLD_SIZE); None where unknown."""
+    if device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free, "free on this rank's GPU"
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None, ""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return avail // local, f"available host memory / {local} rank(s) on this node"
+
+
+def check_teacher_shards_fit(cfg: TrainerConfig, folder, *, dp: int, available: tuple | None = None) -> None:
+    """Refuse, before any weight is read, a sharded teacher whose shards plus the largest unit a forward gathers
+    do not fit what this rank has (``available``: (bytes, where), for tests; default: measured)."""
+    from opdistill.train.placement import run_device
+
+    shards, unit = sharded_teacher_bytes(folder, cfg.model.dtype, dp)
+    avail, where = available if available is not None else _available_bytes(run_device(cfg).type)
+    if avail is not None and shards + unit > avail:
+        gib = 1 << 30
+        raise ConfigError(f"model.teacher_sharded: the teacher's shards ({shards / gib:.2f} GiB per rank over {dp} "
+                          f"ranks, {cfg.model.dtype}) plus the largest layer a forward gathers ({unit / gib:.2f} GiB) "
+                          f"exceed the {avail / gib:.2f} GiB {where}; use more ranks, a smaller model.dtype, or a "
+                          f"teacher server (teacher.url)")
 
 
 def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) -> None:
