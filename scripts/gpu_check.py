@@ -13,7 +13,9 @@ What it runs (docs/distributed.md, "Tested on CPU, and what is not"):
    positive gradient norm. Reported: the median ``time/step_s`` of the steps after the first (the bf16 step time).
 2. The same run with ``model.teacher_sharded=true`` (the teacher FSDP2-sharded over the one-rank CUDA mesh): the
    teacher is a ``ShardedTeacher`` and the per-step losses equal run 1's (to ``--rel`` relative).
-3. Only when ``import vllm`` works: ``pytest -m vllm tests/test_vllm_engines.py`` (the vLLM engines against the HF
+3. The same run with ``distributed.decode=sharded`` (issue 24: no plain replica of the student; rollouts decode
+   with the FSDP2 student on CUDA): the per-step losses equal run 1's (to ``--rel``); its step time is reported.
+4. Only when ``import vllm`` works: ``pytest -m vllm tests/test_vllm_engines.py`` (the vLLM engines against the HF
    paths). Otherwise reported as skipped.
 
 One summary line per check, then ``gpu_check: PASS`` or ``gpu_check: FAIL``; the exit status is 0 (pass),
@@ -233,6 +235,24 @@ def run_checks(args) -> int:
                               f"equal the replicated run's (max relative difference {worst:.2g})"))
     else:
         lines.append(("FAIL", f"{backend} world 1, model.teacher_sharded: {why}"))
+
+    dec = train_run("decode_sharded", args, out, budget, ["distributed.decode=sharded"])
+    results["decode_sharded"] = dec
+    why = check_run(dec, args, backend=backend, device=args.device, sharded=False)
+    if why is None and "error" in rep:
+        why = "the replicated run failed, so there are no losses to compare with"
+    if why is None:
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dec["loss"], rep["loss"]))
+        dec["max_rel_loss_diff"] = worst
+        dec_time = statistics.median(dec["step_s"][1:])
+        if worst > args.rel:
+            why = f"per-step losses differ from the replicated run's by {worst:.3g} relative (> --rel {args.rel})"
+    if why is None:
+        lines.append(("PASS", f"{backend} world 1, distributed.decode sharded: rollouts decoded by the FSDP2 student "
+                              f"itself (no replica), per-step losses equal the replicated run's (max relative "
+                              f"difference {worst:.2g}); step time median {dec_time:.3f} s"))
+    else:
+        lines.append(("FAIL", f"{backend} world 1, distributed.decode sharded: {why}"))
 
     status, detail = vllm_check(args, out, budget)
     lines.append((status, f"vllm: {detail}"))

@@ -106,19 +106,22 @@ def test_nccl_on_cpu_is_refused_naming_the_backend():
 
 
 def test_dry_run_on_cpu_runs_the_scripts_whole_logic(tmp_path):
-    """``--device cpu``: both torchrun launches (replicated teacher, then model.teacher_sharded), the worker's records,
-    the verdicts and the summary, on gloo; vllm is skipped when it does not import."""
+    """``--device cpu``: the three torchrun launches (replicated teacher, model.teacher_sharded, distributed.decode
+    sharded), the worker's records, the verdicts and the summary, on gloo; vllm is skipped when it does not
+    import."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "2", "--prompts", "2",
                         "--max-new-tokens", "8", "--out", str(tmp_path), "--skip-vllm"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["ok"] and [c["status"] for c in summary["checks"]] == ["PASS", "PASS", "SKIP"]
+    assert summary["ok"] and [c["status"] for c in summary["checks"]] == ["PASS", "PASS", "PASS", "SKIP"]
     rep, sh = summary["runs"]["replicated"], summary["runs"]["sharded"]
     assert (rep["backend"], rep["student_device"], rep["world"]) == ("gloo", "cpu", 1)
     assert rep["teacher"] != "ShardedTeacher" and sh["teacher"] == "ShardedTeacher"
     assert rep["steps"] == sh["steps"] == [1, 2]
     assert sh["loss"] == rep["loss"]  # the one-rank sharded teacher scores exactly as the replicated one
+    dec = summary["runs"]["decode_sharded"]  # rollouts decoded by the FSDP2 student itself (HF forward, no replica)
+    assert dec["steps"] == [1, 2] and dec["loss"] == pytest.approx(rep["loss"], rel=1e-5)
     assert summary["bf16_step_time_s"] == pytest.approx(rep["step_s"][1])
     assert r.stdout.splitlines()[-1].startswith("gpu_check: PASS (cpu: bf16 step time ")

@@ -33,8 +33,8 @@ from opdistill.data import DatasetTask, PromptSource, Task, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.errors import IncompatibleModelsError
 from opdistill.fused import check_lm_head
-from opdistill.models import (check_compatible, empty_model, load_model, load_tokenizer, model_config, resolve_model_path,
-                              truncate_layers)
+from opdistill.models import (check_compatible, empty_model, load_model, load_tokenizer, model_config,
+                              resolve_model_path, truncate_layers)
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
 from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
