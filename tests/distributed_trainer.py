@@ -20,19 +20,20 @@ from opdistill.train.config import load_config
 
 
 def record_rollouts(sink: dict):
-    """Wrap the sampler the loop's ``EngineSet`` calls (``opdistill.engines.vllm.generate_rollouts``) so that each call's rows (their tokens, keyed by step and global prompt index)
-    land in ``sink``; returns a function that restores the original."""
-    original = engines.generate_rollouts
+    """Wrap ``EngineSet.generate_rollouts`` (where the loop's rollouts are made: our sampler or a vLLM student
+    engine) so that each call's rows (their tokens, keyed by step and global prompt index) land in ``sink``; returns
+    a function that restores the original."""
+    original = engines.EngineSet.generate_rollouts
 
-    def recording(*args, step, prompt_offset=0, **kwargs):
-        ro = original(*args, step=step, prompt_offset=prompt_offset, **kwargs)
+    def recording(self, *args, step, prompt_offset=0, **kwargs):
+        ro = original(self, *args, step=step, prompt_offset=prompt_offset, **kwargs)
         for row, p in enumerate(ro.prompt_index):
             tokens = ro.input_ids[row][ro.attention_mask[row].bool()].tolist()
             sink.setdefault(str(step), {}).setdefault(str(prompt_offset + p), []).append(tokens)
         return ro
 
-    engines.generate_rollouts = recording
-    return lambda: setattr(engines, "generate_rollouts", original)
+    engines.EngineSet.generate_rollouts = recording
+    return lambda: setattr(engines.EngineSet, "generate_rollouts", original)
 
 
 class count_teacher_requests:

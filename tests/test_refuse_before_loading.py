@@ -164,12 +164,27 @@ def _assemble(c, ctx):
         assemble(load_config(base=c), ctx, stack, resume=False, overwrite=False)
 
 
-def test_vllm_engines_under_torchrun(tmp_path, no_loading):
-    """Was refused after the models were loaded and the checkpoint restored."""
+def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
+    """One engine per rank (issue 24): refused with a vocab-parallel student, and on CPU when the node's ranks'
+    KV caches do not fit its memory, before any model loads."""
+    from opdistill.train.preflight import check_engines_fit
+
     with pytest.raises(ConfigError) as e:
-        _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}), DistContext(rank=0, world=2))
-    assert str(e.value) == ("rollout.engine / teacher.engine: vllm engines run in one process in this version (one "
-                            "engine per rank under torchrun is not wired yet); use hf with torchrun")
+        _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, distributed={"tp_size": 2}),
+                  DistContext(rank=0, world=2))
+    assert str(e.value) == ("rollout.engine: vllm with distributed.tp_size 2: each data-parallel rank runs its own "
+                            "engine, and a vocab-parallel student is not wired to one yet; use distributed.tp_size=1 "
+                            "or the hf engines")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cfg = load_config(base=_cfg(tmp_path, rollout={"engine": "vllm", "vllm_kv_cache_gb": 2}, teacher={"engine":
+                                                                                                     "vllm"}))
+    engines = ["rollout.engine", "teacher.engine"]
+    check_engines_fit(cfg, engines, available=16 << 30)  # 4 ranks x 2 engines x 2 GiB = 16 GiB: fits
+    with pytest.raises(ConfigError) as e:
+        check_engines_fit(cfg, engines, available=(16 << 30) - 1)
+    assert str(e.value) == ("rollout.vllm_kv_cache_gb: 4 rank(s) on this node x 2 vLLM engine(s) x 2 GiB of KV cache "
+                            "= 16 GiB, more than the 16.0 GiB available; lower rollout.vllm_kv_cache_gb or start "
+                            "fewer ranks per node")
 
 
 def test_tp_size_above_the_vocabulary(tmp_path, no_loading):

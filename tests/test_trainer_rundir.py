@@ -61,7 +61,7 @@ def test_fresh_train_on_a_run_is_refused_overwrite_replaces_it(cfg_file, tmp_pat
 def test_a_run_refused_at_start_up_leaves_no_run(cfg_file, tmp_path, monkeypatch):
     from opdistill.train import assemble
 
-    def broken(cfg, tok=None):
+    def broken(cfg, tok=None, **kwargs):
         raise RuntimeError("model folder missing")
 
     monkeypatch.setattr(assemble, "load_models", broken)

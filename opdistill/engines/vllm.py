@@ -123,6 +123,9 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleep_mode
         self._vllm = vllm
+        # under torchrun the process group is the trainer's: vLLM builds its own groups over it (one engine per rank,
+        # each its own data-parallel replica at tp 1) and must not destroy it when it shuts down (close)
+        self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.llm = vllm.LLM(**kwargs)
 
     @property
@@ -157,10 +160,19 @@ class VllmEngine:
         return len(loaded)
 
     def push(self, model: torch.nn.Module) -> int:
-        """Push a (possibly DDP-wrapped) HF model's current weights (``load_weights``)."""
+        """Push a (possibly DDP-wrapped) HF model's current weights (``load_weights``). An FSDP2-sharded model's
+        weights are gathered whole one tensor at a time, as the engine takes them (a collective per tensor: every
+        rank pushes at the same point), so no second whole copy of the student is made in the trainer."""
+        from torch.distributed.tensor import DTensor
+
         while not hasattr(model, "config") and hasattr(model, "module"):
             model = model.module
-        return self.load_weights(model.state_dict().items())
+
+        def whole():
+            for name, t in model.state_dict().items():
+                yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+        return self.load_weights(whole())
 
     def sleep(self) -> None:
         if self.sleep_mode and not self.sleeping:
@@ -240,10 +252,16 @@ class VllmEngine:
         """Shut the engine down (frees its memory); the object is unusable after."""
         llm, self.llm = self.llm, None
         if llm is not None:
+            dist = torch.distributed
+            destroy = dist.destroy_process_group
+            if self._trainer_group:  # vLLM's teardown destroys the default group: the trainer's, kept
+                dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # best effort: an engine that is already gone
                 pass
+            finally:
+                dist.destroy_process_group = destroy
         del llm
 
 

@@ -6,7 +6,8 @@ the process layout or the model folders; :func:`check_before_loading` runs all o
 minutes of loading:
 
 - the machine: ``train.device: cuda`` without a GPU; a missing extra (vllm, peft, httpx);
-- the process layout: vLLM engines under torchrun (one engine per rank is not wired yet);
+- the process layout: vLLM engines under torchrun with a vocab-parallel student, or whose KV caches (one engine per
+  rank) do not fit the node's memory;
 - the folders: student and teacher tokenizers and output widths (:func:`opdistill.models.check_compatible`), a
   teacher head transform opdistill does not know, ``model.student_from_teacher_layers`` beyond the teacher's layers,
   ``distributed.tp_size`` above the vocabulary, a soft-capped student head with ``train.fused_lm_head``;
@@ -167,9 +168,12 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
 
     engines = [k for k, v in (("rollout.engine", cfg.rollout.engine), ("teacher.engine", cfg.teacher.engine))
                if v == "vllm"]
+    if engines and world > 1 and cfg.distributed.tp_size > 1:
+        raise ConfigError(f"{engines[0]}: vllm with distributed.tp_size {cfg.distributed.tp_size}: each data-parallel "
+                          f"rank runs its own engine, and a vocab-parallel student is not wired to one yet; use "
+                          f"distributed.tp_size=1 or the hf engines")
     if engines and world > 1:
-        raise ConfigError("rollout.engine / teacher.engine: vllm engines run in one process in this version "
-                          "(one engine per rank under torchrun is not wired yet); use hf with torchrun")
+        check_engines_fit(cfg, engines)
     if engines and not vllm_available():
         raise ConfigError(f"{engines[0]}: vllm, but the vllm package is not installed; {INSTALL_HINT}")
     if cfg.model.lora is not None and importlib.util.find_spec("peft") is None:
@@ -181,6 +185,35 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
         raise ConfigError(f"{urls[0]}: the teacher client needs the serve extra (httpx is missing): "
                           "pip install 'opdistill[serve]'")
     run_device(cfg)
+
+
+def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | None = None) -> None:
+    """Under torchrun every rank starts its own vLLM engine(s). On CPU each holds a KV cache of
+    ``rollout.vllm_kv_cache_gb`` in host memory: the node's ranks' caches must fit its MemAvailable (``available``
+    bytes, for tests), or the run is refused in one line before any model loads. (On a GPU each rank has its own
+    device and ``rollout.vllm_gpu_memory_utilization`` of it per engine: vLLM refuses a share it cannot get.)"""
+    from opdistill.train.placement import run_device
+
+    if run_device(cfg).type == "cuda":
+        share = cfg.rollout.vllm_gpu_memory_utilization * len(engines)
+        if share > 0.9:
+            raise ConfigError(f"rollout.vllm_gpu_memory_utilization: {len(engines)} engine(s) per rank x "
+                              f"{cfg.rollout.vllm_gpu_memory_utilization} of its GPU leaves the trainer "
+                              f"{max(0.0, 1 - share):.2f} of it; lower it")
+        return
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if available is None:
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return
+    gb = max(1, round(cfg.rollout.vllm_kv_cache_gb))  # what VLLM_CPU_KVCACHE_SPACE gets (whole GiB)
+    need_gib = local * len(engines) * gb
+    if need_gib * (1 << 30) > available:
+        raise ConfigError(f"rollout.vllm_kv_cache_gb: {local} rank(s) on this node x {len(engines)} vLLM engine(s) "
+                          f"x {gb} GiB of KV cache = {need_gib} GiB, more than the {available / (1 << 30):.1f} GiB "
+                          f"available; lower rollout.vllm_kv_cache_gb or start fewer ranks per node")
 
 
 def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,
