@@ -333,7 +333,8 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
     new weights after every update gathered from the FSDP2 shards one tensor at a time. The same sampled tokens as
     the one-process run, prompt by prompt; per-step losses within 1e-5 relative (measured: 7e-7 at most over 3 steps;
     the engine's log-probs differ from the trainer's by up to ~1e-5, the sampler/trainer gap), gradient norms within
-    1e-4 (measured 4e-6)."""
+    1e-4 (measured 4e-6). The same with the pipelined step (``train.max_staleness: 1``, issue 23): the thread of
+    each rank pushes whole weight versions into its engine, and world 2 equals world 1 alike."""
     import json as _json
 
     from opdistill.runs.files import read_metrics
@@ -345,23 +346,32 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
            "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8}, "optim": {"lr": 1e-3},
            "train": {"steps": 3, "threads": 1, "seed": 0}, "eval": {"num_prompts": 0},
            "log": {"tensorboard": False, "progress": False}, "checkpoint": {"every": 0, "save_final": False}}
+    # and the pipelined step (train.max_staleness 1, TIS): each rank's thread pushes whole weight versions
+    s1 = {**cfg, "train": {**cfg["train"], "max_staleness": 1}, "rollout": {**cfg["rollout"], "correction": "tis"}}
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        (out / "plan.json").write_text(_json.dumps([{"name": "vllm", "config": {**cfg, "run_dir": str(out / "run")}}]))
+        (out / "plan.json").write_text(_json.dumps([{"name": "vllm", "config": {**cfg, "run_dir": str(out / "run")}},
+                                                    {"name": "s1", "config": {**s1, "run_dir": str(out / "s1")}}]))
         launch("tests.distributed_trainer:run_plan", world, str(out))
-        tokens: dict = {}
-        for rank in range(world):
-            for step, prompts in _json.loads((out / f"vllm_tokens_rank{rank}.json").read_text()).items():
-                for p, rows in prompts.items():
-                    assert p not in tokens.setdefault(step, {}), "a prompt sampled on two ranks"
-                    tokens[step][p] = rows
-        runs[world] = (tokens, [r for r in read_metrics(out / "run") if "distillation/loss" in r])
-    (t1, m1), (t2, m2) = runs[1], runs[2]
-    assert sorted(t1) == ["1", "2", "3"] and t2 == t1  # the same samples, prompt by prompt, at every step
-    assert len(m1) == len(m2) == 3
-    for a, b in zip(m2, m1):
-        assert a["distillation/loss"] == pytest.approx(b["distillation/loss"], rel=1e-5, abs=1e-7)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
-        assert 0 <= a["rollout/logprob_diff_max"] < 10 * LP_TOL  # the engine holds the trained weights each step
+        for name, run in (("vllm", "run"), ("s1", "s1")):
+            tokens: dict = {}
+            for rank in range(world):
+                for step, prompts in _json.loads((out / f"{name}_tokens_rank{rank}.json").read_text()).items():
+                    for p, rows in prompts.items():
+                        assert p not in tokens.setdefault(step, {}), "a prompt sampled on two ranks"
+                        tokens[step][p] = rows
+            runs[world, name] = (tokens, [r for r in read_metrics(out / run) if "distillation/loss" in r])
+    for name in ("vllm", "s1"):
+        (t1, m1), (t2, m2) = runs[1, name], runs[2, name]
+        assert sorted(t1) == ["1", "2", "3"] and t2 == t1  # the same samples, prompt by prompt, at every step
+        assert len(m1) == len(m2) == 3
+        for a, b in zip(m2, m1):
+            assert a["distillation/loss"] == pytest.approx(b["distillation/loss"], rel=1e-5, abs=1e-7)
+            assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+            if name == "vllm":  # the engine holds the trained weights at every step
+                assert 0 <= a["rollout/logprob_diff_max"] < 10 * LP_TOL
+            else:  # a version older from step 2 on
+                assert a["train/staleness"] == min(1, a["step"] - 1)
+    assert runs[1, "s1"][0]["3"] != runs[1, "vllm"][0]["3"]  # the stale weights sampled other tokens
