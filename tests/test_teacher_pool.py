@@ -3,7 +3,8 @@
 The first tests drive :class:`TeacherPool` over stand-in clients (an in-process teacher behind the client interface,
 told to fail on demand): which rows each server scores, failover, probing back in, patience, the identity check,
 one request per server at a time. The last test runs the trainer on two real ``serve-teacher`` processes and kills
-them mid-run. Expectations come from the in-process teacher scoring the same rows, never from the pool.
+them mid-run, also under the pipelined step (``train.max_staleness: 1``). Expectations come from the in-process
+teacher scoring the same rows, never from the pool.
 """
 import json
 import os
@@ -294,12 +295,16 @@ def test_a_run_on_two_servers_survives_one_and_resumes_after_both(teacher, tmp_p
                                      cfg["model"]["teacher"], "--port", str(ports[i]), "--threads", "1"], urls[i], log,
                                     what=f"serve-teacher {i}", timeout_s=90, env=ENV)
 
-    def run(name, teacher_section, *, kill_at=None, kill=(), resume=False):
+    def run(name, teacher_section, *, kill_at=None, kill=(), resume=False, pipelined=False):
         c = dict(cfg, run_dir=str(tmp_path / name), teacher={"retries": 1, "backoff_s": 0.05, "timeout_s": 30,
                                                              "probe_s": 0.2, "patience_s": 1, **teacher_section})
         c["train"] = dict(cfg["train"], steps=4)
         c["eval"] = dict(cfg["eval"], num_prompts=0)
-        original = Collector.__call__
+        if pipelined:  # train.max_staleness 1: the generator's thread makes and scores the batches ahead
+            c["train"]["max_staleness"] = 1
+            c["rollout"] = dict(cfg["rollout"], correction="tis", tis_cap=2.0)
+        where = "rollouts" if pipelined else "__call__"  # what makes a step's batch (in the thread when pipelined)
+        original = getattr(Collector, where)
 
         def collect(self, step, student):
             if step == kill_at:
@@ -307,11 +312,11 @@ def test_a_run_on_two_servers_survives_one_and_resumes_after_both(teacher, tmp_p
                     stop_server_process(servers[i], grace_s=0)
             return original(self, step, student)
 
-        monkeypatch.setattr(Collector, "__call__", collect)
+        monkeypatch.setattr(Collector, where, collect)
         try:
             run_training(load_config(base=c), quiet=True, resume=resume)
         finally:
-            monkeypatch.setattr(Collector, "__call__", original)
+            monkeypatch.setattr(Collector, where, original)
         return c["run_dir"]
 
     servers = [start(0), start(1)]
@@ -334,6 +339,18 @@ def test_a_run_on_two_servers_survives_one_and_resumes_after_both(teacher, tmp_p
         steps = {r["step"]: r for r in _metrics(one_dir) if "teacher/server/0/requests" in r}
         assert steps[3]["teacher/server/0/failures"] == 1 and steps[3]["teacher/server/0/healthy"] == 0
         assert steps[3]["teacher/server/1/requests"] == 2 and steps[4]["teacher/servers_healthy"] == 1
+
+        # the same under the pipelined step (issue 23): server 0 dies as the generator's thread makes step 3's batch;
+        # the run finishes on server 1 with the uninterrupted pipelined run's numbers, bit for bit (which step's
+        # metrics show the failure depends on when the thread asked: counted over the run)
+        servers[0] = start(0)
+        pooled_s1 = _losses(run("pool_s1", {"url": urls}, pipelined=True))
+        assert [s for s, *_ in pooled_s1] == [1, 2, 3, 4]
+        assert pooled_s1[1:] != pooled[1:]  # stale batches: other numbers
+        one_s1 = run("one_killed_s1", {"url": urls}, kill_at=3, kill=(0,), pipelined=True)
+        assert _losses(one_s1) == pooled_s1
+        m = [r for r in _metrics(one_s1) if "teacher/server/0/requests" in r]
+        assert sum(r["teacher/server/0/failures"] for r in m) == 1 and m[-1]["teacher/servers_healthy"] == 1
 
         # both die before step 3: one line after the patience, the checkpoint of step 2
         servers[0] = start(0)

@@ -189,6 +189,18 @@ def test_teacher_refuses_what_vllm_cannot_score(demo, teacher_engine):
         teacher.score(left, ScoreRequest(k=2))
 
 
+def _engines_config(run_dir, **sections) -> dict:
+    """A 3-step run of the demo models through the vLLM student and teacher engines (``sections`` update it)."""
+    cfg = {"run_dir": str(run_dir), "model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
+           "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0},
+           "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8},
+           "train": {"steps": 3, "threads": 1, "seed": 0}, "eval": {"num_prompts": 0},
+           "log": {"tensorboard": False, "progress": False}}
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return cfg
+
+
 @pytest.mark.vllm
 def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engine, teacher_engine, tmp_path,
                                                              monkeypatch):
@@ -224,12 +236,7 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
     monkeypatch.setattr(student_engine, "close", lambda: None)
     monkeypatch.setattr(teacher_engine, "close", lambda: None)
     trained = load_model(f"{DEMO}/student", dtype="float32")
-    cfg = load_config(base={
-        "run_dir": str(tmp_path / "run"), "model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
-        "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0},
-        "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8},
-        "train": {"steps": 3, "threads": 1, "seed": 0}, "eval": {"num_prompts": 0},
-        "log": {"tensorboard": False, "progress": False}, "checkpoint": {"save_final": False}})
+    cfg = load_config(base=_engines_config(tmp_path / "run", checkpoint={"save_final": False}))
     loop.run_training(cfg, models=(tok, trained, teacher), quiet=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rollout/logprob_diff_mean" in r]
@@ -297,13 +304,9 @@ def test_pipelined_step_pushes_each_batch_its_own_weight_version(demo, student_e
     monkeypatch.setattr(student_engine, "close", lambda: None)
     monkeypatch.setattr(teacher_engine, "close", lambda: None)
     trained = load_model(f"{DEMO}/student", dtype="float32")
-    cfg = load_config(base={
-        "run_dir": str(tmp_path / "run"), "model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
-        "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0,
-                                                     "correction": "tis"},
-        "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8}, "optim": {"lr": 3e-3},
-        "train": {"steps": 5, "threads": 1, "seed": 0, "max_staleness": 2}, "eval": {"num_prompts": 0},
-        "log": {"tensorboard": False, "progress": False}, "checkpoint": {"save_final": False}})
+    cfg = load_config(base=_engines_config(tmp_path / "run", rollout={"correction": "tis"}, optim={"lr": 3e-3},
+                                           train={"steps": 5, "max_staleness": 2},
+                                           checkpoint={"save_final": False}))
     try:
         loop.run_training(cfg, models=(tok, trained, teacher), quiet=True)
     finally:
@@ -340,12 +343,8 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
     from opdistill.runs.files import read_metrics
     from tests.parallel_launch import launch
 
-    cfg = {"model": {"student": f"{DEMO}/student", "teacher": f"{DEMO}/teacher"},
-           "data": {"prompts_per_step": 4},
-           "rollout": {"n": 2, "max_new_tokens": 16, "engine": "vllm", "tis_cap": 2.0},
-           "teacher": {"engine": "vllm"}, "loss": {"loss_mode": "topk", "topk": 8}, "optim": {"lr": 1e-3},
-           "train": {"steps": 3, "threads": 1, "seed": 0}, "eval": {"num_prompts": 0},
-           "log": {"tensorboard": False, "progress": False}, "checkpoint": {"every": 0, "save_final": False}}
+    cfg = _engines_config(None, optim={"lr": 1e-3}, checkpoint={"every": 0, "save_final": False})
+    del cfg["run_dir"]
     # and the pipelined step (train.max_staleness 1, TIS): each rank's thread pushes whole weight versions
     s1 = {**cfg, "train": {**cfg["train"], "max_staleness": 1}, "rollout": {**cfg["rollout"], "correction": "tis"}}
     runs = {}

@@ -7,8 +7,9 @@ Sampling is reseeded from (seed, step) at every step and keyed by (seed, step, g
 (``opdistill.engines.sampler``), so a resumed run, and a run at another world size, draws the same samples. Under
 data parallelism each rank takes a contiguous share of the step's prompts (all ``rollout.n`` samples of a prompt: a
 GRPO group stays on one rank); the metrics are reduced over the ranks. Under tensor parallelism only the first tp
-rank of a data-parallel rank samples and asks the teacher; its peers receive the result (``Collector.share``). The teacher's request may still be on its way
-when the step starts (a remote teacher with ``overlap``: ``StepData.scores`` is then a Future).
+rank of a data-parallel rank samples and asks the teacher; its peers receive the result (``Collector.share``). The
+teacher's request may still be on its way when the step starts (a remote teacher with ``overlap``:
+``StepData.scores`` is then a Future).
 """
 from __future__ import annotations
 
