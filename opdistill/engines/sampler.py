@@ -314,9 +314,10 @@ class Lockstep:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t)
 
-    def chunks(self, n: int) -> int:
-        """The most prompt chunks any rank has."""
-        return self._max(n)
+    def pad(self, starts: list) -> list:
+        """``starts`` (this rank's chunks) with None appended up to the most chunks any rank has: a None is a chunk
+        another rank runs, for which this one runs a forward of its own (one all-reduce)."""
+        return list(starts) + [None] * (self._max(len(starts)) - len(starts))
 
     def any(self, alive: bool) -> bool:
         """Whether any rank still decodes after this token."""
@@ -398,7 +399,7 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     lock = lockstep(model)  # a sharded model: every forward in step with the other ranks
     starts = list(range(0, len(prompts), batch_size))
     if lock is not None:
-        starts += [None] * (lock.chunks(len(starts)) - len(starts))  # chunks another rank has: forwards in step
+        starts = lock.pad(starts)  # chunks another rank has: forwards in step
     was_training = model.training
     model.eval()
     try:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from opdistill.fused import backbone_of
 from opdistill.loss import TeacherScores, TeacherTopK
+from opdistill.engines.sampler import Lockstep
 from opdistill.models import decoder_layers
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher
 from opdistill.teachers.local import score_teacher
@@ -139,16 +140,14 @@ class ShardedTeacher(Teacher):
         """This rank's rows, scored exactly as :class:`~opdistill.teachers.local.LocalTeacher` scores them. Every rank
         of the group must call this together (any row count, zero included)."""
         head = self.head if request.hidden else None  # every rank at the same point: gathering it is a collective
-        starts = list(range(0, rows.num_rows, self.row_chunk))
-        n = torch.tensor([len(starts)], dtype=torch.long)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        starts = Lockstep(self.group).pad(range(0, rows.num_rows, self.row_chunk))  # as many forwards as the others
         parts = []
-        for i in range(int(n)):
+        for start in starts:
             self.forwards += 1
-            if i >= len(starts):
+            if start is None:
                 self._root(None, request)
                 continue
-            chunk = torch.arange(starts[i], min(starts[i] + self.row_chunk, rows.num_rows))
+            chunk = torch.arange(start, min(start + self.row_chunk, rows.num_rows))
             parts.append((chunk.numel(), self._root(rows.select(chunk), request.select(chunk, request.what))))
         scores = _join(parts, rows.width, request, head)
         return dataclasses.replace(scores, head=head) if request.hidden else scores

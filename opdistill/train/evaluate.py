@@ -105,7 +105,7 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     starts = list(range(0, s.num_rows, step))
     lock = lockstep(student)  # a sharded student (distributed.decode sharded): as many forwards as the other ranks
     if lock is not None:
-        starts += [None] * (lock.chunks(len(starts)) - len(starts))
+        starts = lock.pad(starts)
     for r0 in starts:
         if r0 is None:
             lock.forward(student, device=dev)

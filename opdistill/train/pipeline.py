@@ -95,6 +95,14 @@ class OneAtATime(Teacher):
         return self.teacher.limits
 
 
+class ScoreLater(Future):
+    """A request :class:`InTrainerThread` recorded: ``rows`` and ``request``, scored by :meth:`Pipeline.get`."""
+
+    def __init__(self, rows, request):
+        super().__init__()
+        self.rows, self.request = rows, request
+
+
 class InTrainerThread(Teacher):
     """``teacher`` (one whose scoring runs collectives: a sharded teacher) asked from the generator's thread but
     scored in the trainer's: :meth:`submit` only records the request, :meth:`Pipeline.get` scores it."""
@@ -105,9 +113,7 @@ class InTrainerThread(Teacher):
         self.teacher, self.key = teacher, teacher.key
 
     def submit(self, rows, request) -> Future:
-        fut: Future = Future()
-        fut.request = (rows, request)  # scored by Pipeline.get
-        return fut
+        return ScoreLater(rows, request)
 
     def score(self, rows, request):
         return self.teacher.score(rows, request)
@@ -201,9 +207,9 @@ class Pipeline:
         if isinstance(result, BaseException):
             raise result
         data, metrics, v = result
-        if data is not None and isinstance(data.scores, Future) and hasattr(data.scores, "request"):
-            t1 = time.perf_counter()  # a collective teacher: scored here
-            data.scores = self.collect.teacher.score(*data.scores.request)
+        if data is not None and isinstance(data.scores, ScoreLater):  # a collective teacher: scored here
+            t1 = time.perf_counter()
+            data.scores = self.collect.teacher.score(data.scores.rows, data.scores.request)
             metrics["time/teacher_s"] += time.perf_counter() - t1
         wait_version = metrics.pop("time/wait_version_s")
         data, metrics = self.collect.share(data, metrics if data is not None else None)  # tp: to the peers

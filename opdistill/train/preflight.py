@@ -201,13 +201,10 @@ def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | N
                               f"{cfg.rollout.vllm_gpu_memory_utilization} of its GPU leaves the trainer "
                               f"{max(0.0, 1 - share):.2f} of it; lower it")
         return
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = _local_ranks()
+    available = _mem_available() if available is None else available
     if available is None:
-        try:
-            with open("/proc/meminfo") as f:
-                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration):
-            return
+        return
     gb = max(1, round(cfg.rollout.vllm_kv_cache_gb))  # what VLLM_CPU_KVCACHE_SPACE gets (whole GiB)
     need_gib = local * len(engines) * gb
     if need_gib * (1 << 30) > available:
@@ -286,19 +283,30 @@ def sharded_teacher_bytes(folder, dtype: str, dp: int) -> tuple[int, int]:
     return shards, max(units.values(), default=0)
 
 
+def _mem_available() -> int | None:
+    """The node's MemAvailable in bytes (Linux), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _local_ranks() -> int:
+    """The ranks torchrun started on this node (LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def _available_bytes(device_type: str) -> tuple[int | None, str]:
     """(bytes this rank may use, where they are) for a sharded teacher: a GPU's free memory, or on CPU the node's
-    MemAvailable shared by its ranks (LOCAL_WORLD_SIZE); None where unknown."""
+    MemAvailable shared by its ranks; None where unknown."""
     if device_type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         return free, "free on this rank's GPU"
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
+    avail = _mem_available()
+    if avail is None:
         return None, ""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return avail // local, f"available host memory / {local} rank(s) on this node"
+    return avail // _local_ranks(), f"available host memory / {_local_ranks()} rank(s) on this node"
 
 
 def check_teacher_shards_fit(cfg: TrainerConfig, folder, *, dp: int, available: tuple | None = None) -> None:
