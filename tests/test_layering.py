@@ -16,6 +16,7 @@ LAYERS = [
     ["opdistill.loss.backend"],
     ["opdistill.loss.distillation"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
+    ["opdistill.xtok"],  # tokens as bytes and the cross-tokenizer mapping (SPEC 6.6)
     ["opdistill.models", "opdistill.data"],
     ["opdistill.engines.sampler"],  # where student tokens come from, bottom-up
     ["opdistill.engines.rollout"],
@@ -24,7 +25,8 @@ LAYERS = [
     ["opdistill.teachers.base", "opdistill.teachers.fingerprint", "opdistill.teachers.http", "opdistill.teachers.wire",
      "opdistill.teachers.prompt_logprobs", "opdistill.teachers.answers"],
     ["opdistill.teachers.local", "opdistill.teachers.cache", "opdistill.teachers.remote",
-     "opdistill.teachers.stock_vllm", "opdistill.teachers.vllm", "opdistill.teachers.routed"],
+     "opdistill.teachers.stock_vllm", "opdistill.teachers.vllm", "opdistill.teachers.routed",
+     "opdistill.teachers.xtok"],
     ["opdistill.teachers.sharded"],
     ["opdistill.teachers.build", "opdistill.teachers"],
     # a run's files read back (the trainer writes them in these formats)

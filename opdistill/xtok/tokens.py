@@ -1,0 +1,198 @@
+"""Each token id of a tokenizer as the bytes of text it stands for: :func:`token_bytes` -> :class:`TokenBytes`.
+
+Cross-tokenizer distillation compares two tokenizations of one response by their bytes (SPEC 6.6), so each side
+must say which bytes each of its ids writes. A fast (``tokenizers``) tokenizer says it through its decoder:
+
+- **byte-level** (a ``ByteLevel`` decoder: GPT-2, Llama 3, Qwen, SmolLM2, our demo BPE): each character of the token
+  string is one byte through GPT-2's byte-to-unicode table;
+- **SentencePiece style** (``Replace("▁", " ")`` with ``ByteFallback``, or ``Metaspace``: Llama 2, Mistral, Gemma):
+  ``▁`` is a space, ``<0xNN>`` is byte NN (byte fallback), anything else its UTF-8;
+- **plain** (a ``Fuse`` decoder or none, over a pre-tokenizer that keeps every character: our character-level demo
+  tokenizer): the token string's UTF-8.
+
+Anything else (WordPiece's ``##``, a pre-tokenizer that drops whitespace, a slow tokenizer) cannot say which bytes
+an id writes: :func:`token_bytes` refuses it in one line naming the tokenizer and its decoder
+(:class:`TokenizerBytesError`).
+
+Special tokens (``<s>``, ``</s>``, ``<|im_end|>``) write no text. Each gets a *sentinel*: ``0xFF``, its content,
+``0xFF`` (0xFF never occurs in UTF-8 text, so no text writes it and no sentinel is a prefix of another), the two
+end-of-sequence tokens one shared sentinel whatever their content. So a special token is matched across tokenizers
+by its content, end to end, through the same byte comparison as text.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+
+from opdistill.errors import ConfigError, IncompatibleModelsError
+
+__all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates", "sentinel",
+           "EOS_SENTINEL"]
+
+
+class TokenizerBytesError(ConfigError):
+    """A tokenizer whose ids cannot be mapped to the bytes they write (no byte-level decode)."""
+
+
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table inverted: the character a byte-level token string uses -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_DROPS_TEXT = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit", "Punctuation"}
+
+
+def _types(node) -> list[str]:
+    """The component types of a tokenizers.json decoder / pre-tokenizer node (a Sequence: its members')."""
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        key = "decoders" if "decoders" in node else "pretokenizers"
+        return [t for member in node.get(key, []) for t in _types(member)]
+    return [node.get("type")]
+
+
+EOS_SENTINEL = b"\xff</eos>\xff"
+
+
+def sentinel(content: str, eos: bool = False) -> bytes:
+    """The bytes a special token stands for (module notes)."""
+    return EOS_SENTINEL if eos else b"\xff" + content.encode("utf-8") + b"\xff"
+
+
+@dataclass
+class TokenBytes:
+    """``table[id]``: the bytes token ``id`` writes (a special token: its sentinel; None: an id that writes nothing
+    known); ``specials``: special token content -> id; ``eos_id``: the end-of-sequence id (None: none); ``name``:
+    the tokenizer, for messages."""
+
+    name: str
+    table: list
+    specials: dict
+    eos_id: int | None
+    kind: str
+    _trie: dict | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __post_init__(self):
+        self._special_ids = set(self.specials.values()) | ({self.eos_id} if self.eos_id is not None else set())
+
+    def is_special(self, i: int) -> bool:
+        return i in self._special_ids
+
+    def longest_prefix(self, data: bytes) -> int:
+        """The id of the longest token whose bytes are a prefix of ``data`` (-1: none). Tokens with the same bytes:
+        the lowest id."""
+        if self._trie is None:
+            trie: dict = {}
+            for i, b in enumerate(self.table):
+                if not b:
+                    continue
+                node = trie
+                for x in b:
+                    node = node.setdefault(x, {})
+                node.setdefault(-1, i)
+            self._trie = trie
+        node, best = self._trie, -1
+        for x in data:
+            node = node.get(x)
+            if node is None:
+                break
+            best = node.get(-1, best)
+        return best
+
+
+def token_bytes(tokenizer, name: str = "tokenizer") -> TokenBytes:
+    """The bytes each id of ``tokenizer`` writes (module notes), or TokenizerBytesError naming ``name``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerBytesError(f"{name}: {type(tokenizer).__name__} is not a fast tokenizer, so the bytes each "
+                                  f"of its tokens writes cannot be read; cross-tokenizer distillation needs a "
+                                  f"tokenizer.json")
+    spec = json.loads(backend.to_str())
+    decoders = _types(spec.get("decoder"))
+    pre = _types(spec.get("pre_tokenizer"))
+    if "ByteLevel" in decoders:
+        kind = "byte-level"
+    elif "ByteFallback" in decoders or "Metaspace" in decoders or "Replace" in decoders:
+        kind = "sentencepiece"
+    elif set(decoders) <= {"Fuse"} and not set(pre) & _DROPS_TEXT:
+        kind = "plain"
+    else:
+        raise TokenizerBytesError(
+            f"{name}: cannot map its tokens to bytes (decoder {'+'.join(decoders) or 'none'}, pre-tokenizer "
+            f"{'+'.join(pre) or 'none'}): cross-tokenizer distillation needs a byte-level, SentencePiece-style or "
+            f"character-preserving tokenizer")
+    special_ids = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    vocab = tokenizer.get_vocab()
+    size = max(max(vocab.values()) + 1, len(tokenizer))
+    table: list = [None] * size
+    byte_of = byte_level_table() if kind == "byte-level" else None
+    for text, i in vocab.items():
+        if i in special_ids:
+            continue
+        if kind == "byte-level":
+            try:
+                table[i] = bytes(byte_of[ch] for ch in text)
+            except KeyError:  # an added (non-special) token stored as plain text
+                table[i] = text.encode("utf-8")
+        elif kind == "sentencepiece":
+            m = _BYTE_FALLBACK.match(text)
+            table[i] = bytes([int(m.group(1), 16)]) if m else text.replace("▁", " ").encode("utf-8")
+        else:
+            table[i] = text.encode("utf-8")
+        if table[i] == b"":
+            table[i] = None
+    eos = tokenizer.eos_token_id
+    for i, content in special_ids.items():
+        if i < size:
+            table[i] = sentinel(content, eos=i == eos)
+    specials = {content: i for i, content in special_ids.items()}
+    return TokenBytes(name=name, table=table, specials=specials, eos_id=eos, kind=kind)
+
+
+_PROBE = [{"role": "user", "content": "What is 12 + 30?"}]
+_PROBE_ANSWER = "  12 + 30 = 42.\nSo the answer is 42  "
+
+
+def _rendered(tokenizer, messages, generation: bool) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+
+
+def check_chat_templates(student_tok, teacher_tok, *, key: str = "model.teacher") -> None:
+    """Refuse a pair whose chat templates write the assistant's response differently (one strips its whitespace,
+    inserts a reasoning block, ...): the text the student writes after its generation prompt must be what the
+    teacher's template puts after its own. Checked on a probe conversation; the message shows the difference."""
+    seen = {}
+    for side, tok in (("student", student_tok), ("teacher", teacher_tok)):
+        if not getattr(tok, "chat_template", None):
+            seen[side] = _PROBE_ANSWER
+            continue
+        prompt = _rendered(tok, _PROBE, True)
+        full = _rendered(tok, _PROBE + [{"role": "assistant", "content": _PROBE_ANSWER}], False)
+        if not full.startswith(prompt):
+            seen[side] = f"<the conversation does not start with the generation prompt {prompt!r}>"
+            continue
+        after = full[len(prompt):]
+        seen[side] = after[:len(_PROBE_ANSWER)] if after.startswith(_PROBE_ANSWER) else after
+    if seen["student"] != _PROBE_ANSWER or seen["teacher"] != _PROBE_ANSWER:
+        diff = " | ".join(line for line in difflib.unified_diff(
+            [_PROBE_ANSWER], [seen["teacher"] if seen["teacher"] != _PROBE_ANSWER else seen["student"]],
+            "response", "as rendered", lineterm="", n=0) if line[:1] in "+-" and not line.startswith(("---", "+++")))
+        which = "teacher" if seen["teacher"] != _PROBE_ANSWER else "student"
+        raise IncompatibleModelsError(f"{key}: the {which}'s chat template changes the assistant's response text, so "
+                                      f"the response cannot be re-tokenized for the other side as written: {diff}")
