@@ -38,7 +38,7 @@ from opdistill.train.config import load_config
 from opdistill.runs.files import read_metrics
 from tests.distributed_trainer import record_rollouts
 from tests.parallel_launch import launch
-from tests.trainer_helpers import make_model_dir, tiny_config_dict
+from tests.trainer_helpers import make_bpe_model_dir, make_model_dir, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
@@ -91,8 +91,13 @@ def _configs(tmp: Path) -> dict:
     # (3 on rank 0, 2 on rank 1: 2 chunks against 1) so the ranks' forwards must be kept in step
     dsharded = {**on, "train": {**on["train"], "steps": 3}, "distributed": {"decode": "sharded"},
                 "eval": {"num_prompts": 5, "batch_size": 2}, "checkpoint": {"every": 0, "save_final": False}}
+    # a teacher with another tokenizer (byte-level BPE; xtok.mode bpm, SPEC 6.6): the mapping per row, its
+    # counts reduced over the ranks
+    xtok = {**on, "model": {**on["model"], "teacher": make_bpe_model_dir(tmp / "teacher_bpe")},
+            "xtok": {"mode": "bpm", "teacher_topk": 64}, "train": {**on["train"], "steps": 3},
+            "checkpoint": {"every": 0, "save_final": False}}
     return {"dsharded": dsharded, "on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
-            "on_tshard": on_tshard,
+            "on_tshard": on_tshard, "xtok": xtok,
             "on_s1": s1(on), "on_s1_tshard": on_s1_tshard, "on64_s1": s1(on64, steps=3)}
 
 
@@ -193,6 +198,11 @@ def runs(tmp_path_factory):
          "prepare_resume_from": str(tmp / "w2_on_s1"), "resume_step": 2},
         {"name": "on_s1_tshard", "config": _with_run_dir(cfgs["on_s1_tshard"], tmp / "w2_on_s1_tshard")},
         {"name": "tp_on64_s1", "config": _with_run_dir(_tp(cfgs["on64_s1"]), tmp / "tp_on64_s1")},
+        {"name": "xtok", "config": _with_run_dir(cfgs["xtok"], tmp / "w2_xtok")},
+        {"name": "tp_xtok", "config": _with_run_dir(_tp(cfgs["xtok"]), tmp / "tp_xtok")},
+        {"name": "xtok_tshard", "config": _with_run_dir({**cfgs["xtok"], "model": {**cfgs["xtok"]["model"],
+                                                                                   "teacher_sharded": True}},
+                                                        tmp / "w2_xtok_tshard")},
     ]
     out = tmp / "out"
     out.mkdir()
@@ -200,7 +210,7 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded"):
+    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded", "xtok"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
@@ -217,6 +227,33 @@ def test_world2_samples_and_losses_equal_world1(runs, name):
     # exactly one metrics line per step (plus the evaluations before the first and after the last step)
     steps = [r["step"] for r in read_metrics(tmp / f"w2_{name}") if "train/grad_norm" in r]
     assert steps == list(range(1, len(w1) + 1))
+
+
+@pytest.mark.parametrize("name", ["xtok", "tp_xtok", "xtok_tshard"])
+def test_cross_tokenizer_teacher_at_world2_and_tp2_equals_world1(runs, name):
+    """A teacher with another tokenizer (xtok.mode bpm): world 2, the 1 x 2 mesh (only the first tp rank maps, its
+    mask and counts reach its peer) and the teacher FSDP2-sharded over the ranks give world 1's samples, losses,
+    xtok/* counts and evaluation."""
+    tmp, _, tokens1 = runs
+    run = tmp / (name if name == "tp_xtok" else f"w2_{name}")
+    w1, got = _losses(tmp / "w1_xtok"), _losses(run)
+    assert len(w1) == 3 and all(gn > 0 for *_, gn in w1)
+    _assert_close_rows(got, w1, rel=3e-5, abs_tol=LOSS_ABS)
+    tokens = _tp_tokens(tmp / "out", name) if name == "tp_xtok" else _world2_tokens(tmp / "out", name)
+    assert tokens == tokens1["xtok"]
+    ref = [r for r in read_metrics(tmp / "w1_xtok") if "train/grad_norm" in r]
+    mine = [r for r in read_metrics(run) if "train/grad_norm" in r]
+    for a, b in zip(mine, ref):
+        for k in ("xtok/exact_frac", "xtok/masked_frac", "train/response_tokens"):  # counts: exact
+            assert a[k] == b[k], k
+        # the teacher's fp32 log-probs of other row batches round differently
+        assert a["xtok/residual_mass"] == pytest.approx(b["xtok/residual_mass"], rel=1e-6)
+        assert 0 < b["xtok/exact_frac"] <= 1
+    evals, want = _eval_rows(run), _eval_rows(tmp / "w1_xtok")
+    assert len(evals) == len(want) == 2
+    for a, b in zip(evals, want):
+        for k in b:
+            assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
 
 
 def _assert_teacher_metrics_close(run_dir, ref_dir, abs_tol) -> None:

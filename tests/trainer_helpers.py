@@ -15,6 +15,25 @@ def make_model_dir(path: Path, *, hidden=32, layers=1, seed=0, chars=CARRY_ADD_C
     return str(path)
 
 
+def make_bpe_model_dir(path: Path, *, vocab_size=290, hidden=32, layers=2, seed=4) -> str:
+    """A tiny Llama on a byte-level BPE tokenizer trained on carry_add text (1-2 digits): a teacher whose tokenizer
+    differs from the character-level student's (cross-tokenizer tests, SPEC 6.6)."""
+    import random
+
+    from opdistill.data import CarryAdditionTask
+    from opdistill.models import bpe_tokenizer
+
+    if not path.exists():
+        rng = random.Random(0)
+        task = CarryAdditionTask(min_digits=1, max_digits=2)
+        corpus = [x for _ in range(300) for p in [task.sample(rng)] for x in (p.prompt, p.solution)]
+        tok = bpe_tokenizer(corpus, vocab_size=vocab_size)
+        model = build_tiny_llama(tok, hidden_size=hidden, num_layers=layers, num_heads=2, seed=seed)
+        model.save_pretrained(path, safe_serialization=True)
+        tok.save_pretrained(path)
+    return str(path)
+
+
 def tiny_config_dict(tmp: Path, *, method="on_policy", steps=3, **sections) -> dict:
     teacher = make_model_dir(tmp / "teacher", hidden=32, layers=2, seed=1) if not (tmp / "teacher").exists() else str(tmp / "teacher")
     student = make_model_dir(tmp / "student", hidden=16, layers=1, seed=2) if not (tmp / "student").exists() else str(tmp / "student")

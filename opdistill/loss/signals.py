@@ -66,6 +66,10 @@ class TeacherScores:
                         what ``head`` turns into its logits (SPEC 6.4; None when not asked for)
     head                the teacher's output head for ``hidden`` (``opdistill.fused.LMHead``: weight, bias, logit
                         scale, soft-cap), held once by the trainer
+    mask                ``[B, S]`` bool: False at a scored position the teacher has no signal for (a cross-tokenizer
+                        teacher, SPEC 6.6: the trainer drops those tokens from the step and counts them); None: all
+    xtok                a cross-tokenizer teacher's sums over the rows (``positions``, ``exact``, ``masked``,
+                        ``residual``: opdistill/xtok/bpm.py), which the trainer turns into ``xtok/*`` metrics
     """
 
     topk: TeacherTopK | None = None
@@ -74,6 +78,8 @@ class TeacherScores:
     hidden: torch.Tensor | None = None
     head: object = None
     requested_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    xtok: dict | None = None
 
     def micro(self, rows: torch.Tensor, length: int) -> "TeacherScores":
         """The scores of rows ``rows`` (index tensor) and their first ``length`` positions (one micro-batch)."""
@@ -83,7 +89,7 @@ class TeacherScores:
         topk = None if self.topk is None else TeacherTopK(take(self.topk.ids), take(self.topk.logprobs),
                                                           validated=self.topk.validated)
         return TeacherScores(topk, take(self.sampled_logprobs), take(self.requested_logprobs), take(self.hidden),
-                             self.head, take(self.requested_ids))
+                             self.head, take(self.requested_ids), take(self.mask))
 
     def to(self, device) -> "TeacherScores":
         """Every per-row tensor on ``device`` (itself when already there); the head stays where it is held."""
@@ -93,7 +99,7 @@ class TeacherScores:
         topk = None if self.topk is None else TeacherTopK(move(self.topk.ids), move(self.topk.logprobs),
                                                           validated=self.topk.validated)
         return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs), move(self.hidden),
-                             self.head, move(self.requested_ids))
+                             self.head, move(self.requested_ids), move(self.mask), self.xtok)
 
     @staticmethod
     def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores | GroupedScores":
@@ -114,9 +120,26 @@ class TeacherScores:
         if parts[0].topk is not None:
             topk = TeacherTopK(cat([p.topk.ids for p in parts]), cat([p.topk.logprobs for p in parts]),
                                validated=all(p.topk.validated for p in parts))
+        mask = xtok = None
+        if any(p.mask is not None for p in parts):  # a member without one scored every position it was asked
+            mask = cat([p.mask if p.mask is not None else torch.ones(p.scored_shape(), dtype=torch.bool)
+                        for p in parts])
+        if any(p.xtok is not None for p in parts):
+            xtok = {}
+            for p in parts:
+                for name, v in (p.xtok or {}).items():
+                    xtok[name] = xtok.get(name, 0.0) + v
         return TeacherScores(topk, cat([p.sampled_logprobs for p in parts]),
                              cat([p.requested_logprobs for p in parts]), cat([p.hidden for p in parts]),
-                             parts[0].head, cat([p.requested_ids for p in parts]))
+                             parts[0].head, cat([p.requested_ids for p in parts]), mask, xtok)
+
+    def scored_shape(self) -> tuple:
+        """``(B, S)`` of the rows these scores are of."""
+        for x in (self.topk.ids if self.topk is not None else None, self.sampled_logprobs, self.requested_logprobs,
+                  self.hidden):
+            if x is not None:
+                return tuple(x.shape[:2])
+        raise ValueError("TeacherScores: no scores to take the rows' shape from")
 
 
 @dataclass(frozen=True)

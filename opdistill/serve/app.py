@@ -50,6 +50,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -354,6 +355,16 @@ def result_refusal(result: ScoreResult, parsed: dict, vocab_size: int) -> tuple[
     return 500, f"scoring produced invalid scores ({why}); the teacher is broken"
 
 
+def tokenizer_payload(tokenizer) -> dict:
+    """``{file name: text}`` of a tokenizer's ``save_pretrained`` files (JSON and templates; no pickle)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        return {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(d).iterdir())
+                if p.is_file() and p.suffix in (".json", ".jinja", ".txt")}
+
+
 def create_app(svc: TeacherService, *, token: str | None = None, max_batch_tokens: int = 65536,
                max_request_tokens: int = 262144, max_body_bytes: int = 64 * 2 ** 20, body_timeout_s: float = 60.0):
     """The FastAPI app serving ``svc`` (see the module notes)."""
@@ -436,6 +447,15 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
             return JSONResponse({"detail": f"the {svc.engine} engine holds no lm_head to send (the hidden-state "
                                            f"payload needs --engine hf)"}, status_code=404)
         return Response(encode_head(svc.head, svc.model_id), media_type="application/octet-stream")
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer_files(request: Request):
+        """The teacher's tokenizer as its files (``{file name: text}``, what ``save_pretrained`` writes): a trainer
+        whose student has another tokenizer (``xtok.mode``, SPEC 6.6) tokenizes each response the teacher's way
+        with it and maps the answer onto its student's tokens."""
+        if (r := unauthorized(request)) is not None:
+            return r
+        return tokenizer_payload(svc.tokenizer)
 
     @app.post("/v1/score")
     async def score(request: Request):

@@ -44,13 +44,16 @@ class TeacherError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Rows:
-    """Padded rows to score: ``input_ids``, ``attention_mask``, ``response_mask`` ``[B, S]`` (0/1 masks), and
-    ``tags`` (one string per row, or None): the value a routed teacher reads (a prompt's task, a dataset column)."""
+    """Padded rows to score: ``input_ids``, ``attention_mask``, ``response_mask`` ``[B, S]`` (0/1 masks), ``tags``
+    (one string per row, or None): the value a routed teacher reads (a prompt's task, a dataset column), and
+    ``prompts`` (each row's prompt as the data gave it, a string or chat messages, or None): what a teacher with
+    another tokenizer renders through its own chat template (opdistill/teachers/xtok.py)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     tags: tuple | None = None
+    prompts: tuple | None = None
 
     @property
     def num_rows(self) -> int:
@@ -70,9 +73,11 @@ class Rows:
         return shift_for_next_token(self.input_ids, self.response_mask)[0]
 
     def select(self, rows: torch.Tensor) -> "Rows":
-        """Rows ``rows`` (an index tensor), tags included."""
-        tags = None if self.tags is None else tuple(self.tags[i] for i in rows.tolist())
-        return Rows(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], tags)
+        """Rows ``rows`` (an index tensor), tags and prompts included."""
+        pick = rows.tolist()
+        tags = None if self.tags is None else tuple(self.tags[i] for i in pick)
+        prompts = None if self.prompts is None else tuple(self.prompts[i] for i in pick)
+        return Rows(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], tags, prompts)
 
     def describe(self) -> str:
         return f"{self.num_rows} rows x {self.width} positions"
@@ -135,6 +140,9 @@ class Teacher(abc.ABC):
     key: str = "teacher"
     #: True: :meth:`submit` runs the request in a background thread (a remote teacher with ``overlap``)
     background: bool = False
+    #: True: :meth:`submit` only records the request, which its caller scores later (the pipelined step's wrapper of a
+    #: collective teacher, opdistill/train/pipeline.py)
+    deferred: bool = False
     #: True: :meth:`score` runs collectives on the run's group (a sharded teacher): every rank calls it at the same
     #: point, from the trainer's thread (the pipelined step scores it there: opdistill/train/pipeline.py)
     collective: bool = False

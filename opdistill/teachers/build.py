@@ -20,6 +20,10 @@ config                                  training teacher                        
 otherwise                               LocalTeacher (``model.teacher``, or the LoRA base)  the same
 ======================================  ==================================================  =====================
 
+With ``xtok.mode`` bpm or sampled (a teacher with another tokenizer, SPEC 6.6) each in-process teacher (and each
+routed member with a path) is wrapped in a CrossTokenizerTeacher reading that model's own tokenizer; the evaluation's
+always maps by byte prefix (bpm), so its teacher-KL is the same measurement in either mode.
+
 A new kind of teacher is one class in this package and one line here (docs/architecture.md).
 """
 from __future__ import annotations
@@ -36,6 +40,7 @@ from opdistill.teachers.remote import RemoteTeacher
 from opdistill.teachers.routed import RoutedTeacher
 from opdistill.teachers.sharded import ShardedTeacher
 from opdistill.teachers.stock_vllm import StockVllmTeacher
+from opdistill.teachers.xtok import CrossTokenizerTeacher
 
 __all__ = ["TeacherContext", "Teachers", "build_teacher", "connect"]
 
@@ -99,6 +104,12 @@ def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
         raise
     client = clients[0] if len(clients) == 1 else TeacherPool(clients, probe_s=section.probe_s,
                                                               patience_s=section.patience_s, key=key)
+    if cfg.xtok.mode != "off" and cfg.train.method != "rl":
+        try:
+            return _served_across(cfg, client, clients, key, context)
+        except BaseException:
+            client.close()
+            raise
     try:
         lc = cfg.loss
         check = dict(hidden=True) if lc.loss_mode == "full" and section.api != "vllm" else {}
@@ -108,6 +119,48 @@ def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
         client.close()
         raise
     return client
+
+
+def _cross(cfg, teacher: Teacher, path: str, context: TeacherContext, *, mode: str | None = None) -> Teacher:
+    """``teacher`` answering in the student's tokens when ``xtok.mode`` asks (module notes); itself otherwise.
+    ``path``: the teacher's model name or folder (its tokenizer); ``mode``: the mapping (default: xtok.mode)."""
+    if cfg.xtok.mode == "off" or cfg.train.method == "rl":
+        return teacher
+    from opdistill.models import load_tokenizer, output_width
+
+    model = getattr(teacher, "model", None)
+    return CrossTokenizerTeacher(teacher, context.tokenizer, load_tokenizer(context.resolve(path)),
+                                 mode=mode or cfg.xtok.mode, teacher_topk=cfg.xtok.teacher_topk,
+                                 use_chat_template=cfg.data.use_chat_template,
+                                 teacher_width=output_width(model) if model is not None else None)
+
+
+def _served_across(cfg, client: Teacher, clients: list, key: str, context: TeacherContext) -> Teacher:
+    """A teacher server whose tokenizer may differ from the student's (``xtok.mode``): its tokenizer fetched from
+    the first server that answers, checked (bytes, chat templates) and against the servers' /info, then the client
+    wrapped to answer in the student's tokens (opdistill/teachers/xtok.py)."""
+    from opdistill.models import check_compatible
+    from opdistill.teachers.http import TeacherServiceError, TeacherUnavailable
+
+    t_tok, last = None, None
+    for c in clients:
+        try:
+            t_tok = c.fetch_tokenizer()
+            break
+        except TeacherUnavailable as e:
+            last = e
+    if t_tok is None:
+        raise last
+    check_compatible(context.tokenizer, t_tok, cross_tokenizer=True, key=key)
+    info = client.check_student(t_tok, None, k=None)
+    max_k = info.get("max_k")
+    k = min(cfg.xtok.teacher_topk, info.get("teacher_vocab_size") or cfg.xtok.teacher_topk)
+    if max_k is not None and k > max_k:
+        raise TeacherServiceError(f"{key}: xtok.teacher_topk={k} is above the server's max K {max_k}; lower "
+                                  f"xtok.teacher_topk or start the server with a larger --max-k")
+    return CrossTokenizerTeacher(client, context.tokenizer, t_tok, mode=cfg.xtok.mode, teacher_topk=k,
+                                 use_chat_template=cfg.data.use_chat_template,
+                                 teacher_width=info.get("teacher_vocab_size"), key=key)
 
 
 def _model(context: TeacherContext, key: str):
@@ -146,7 +199,8 @@ def _routed(cfg, context: TeacherContext) -> RoutedTeacher:
         for i, spec in enumerate(cfg.teachers):
             if spec.path is not None:
                 model = _model(context, f"teachers.{i}.path")
-                members[spec.name] = shared.setdefault(id(model), LocalTeacher(model, key=f"teachers.{i}.path"))
+                members[spec.name] = shared.setdefault(id(model), _cross(
+                    cfg, LocalTeacher(model, key=f"teachers.{i}.path"), spec.path, context))
             else:
                 members[spec.name] = connect(cfg, spec, f"teachers.{i}.url", context)
     except BaseException:
@@ -164,8 +218,15 @@ def build_teacher(cfg, context: TeacherContext, *, train: bool = True) -> Teache
         return Teachers(_routed(cfg, context) if train else None, None)
     if cfg.teacher.url is not None:
         remote = connect(cfg, cfg.teacher, "teacher.url", context)
-        return Teachers(remote if train else None, remote)
+        evaluation = remote.with_mode("bpm") if isinstance(remote, CrossTokenizerTeacher) else remote
+        return Teachers(remote if train else None, evaluation)
     local = _in_process(cfg, context)
+    if local is not None and cfg.xtok.mode != "off":
+        evaluation = _cross(cfg, local, cfg.model.teacher, context, mode="bpm")
+        if cfg.train.method == "rl" or not train:
+            return Teachers(None, evaluation)
+        train_teacher = evaluation if cfg.xtok.mode == "bpm" else _cross(cfg, local, cfg.model.teacher, context)
+        return Teachers(train_teacher, evaluation)
     if cfg.train.method == "rl" or not train:
         return Teachers(None, local)
     if context.cache is not None:

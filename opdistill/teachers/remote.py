@@ -86,6 +86,33 @@ class RemoteTeacher(HttpTeacher):
             self._head = head
         return self._head
 
+    def fetch_tokenizer(self):
+        """The server teacher's tokenizer (``GET /v1/tokenizer``: its ``save_pretrained`` files), for a student with
+        another tokenizer (``xtok.mode``, opdistill/teachers/xtok.py); never remote code."""
+        import tempfile
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        resp = self.http.request("GET", "/v1/tokenizer", "the teacher's tokenizer")
+        try:
+            files = resp.json()
+        except (ValueError, RecursionError):
+            files = None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()) or not files:
+            raise TeacherServiceError(f"{self.http.where()}: GET /v1/tokenizer answered no tokenizer files; is this "
+                                      f"an opdistill serve-teacher server of this version?")
+        with tempfile.TemporaryDirectory() as d:
+            for name, text in files.items():
+                if "/" in name or "\\" in name or name.startswith("."):
+                    raise TeacherServiceError(f"{self.http.where()}: GET /v1/tokenizer named a file {name!r}")
+                (Path(d) / name).write_text(text, encoding="utf-8")
+            try:
+                return AutoTokenizer.from_pretrained(d, trust_remote_code=False)
+            except (OSError, ValueError) as e:
+                raise TeacherServiceError(f"{self.http.where()}: GET /v1/tokenizer answered files no tokenizer loads "
+                                          f"from ({e})") from None
+
     def check_student(self, tokenizer, student=None, *, k: int | None = None, hidden: bool = False) -> dict:
         """Refuse (with a diff) a server whose tokenizer differs from the student's (the teacher cache's rules:
         vocabulary, special tokens and chat template fingerprint, size), whose vocabulary width differs from the

@@ -92,7 +92,7 @@ def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False):
     if mc.teacher == SELF:
         teacher = self_teacher(student)
     elif teacher is not None:
-        check_compatible(tok, t_tok, student, teacher)
+        check_compatible(tok, t_tok, student, teacher, cross_tokenizer=cfg.xtok.mode != "off")
     check_finite_weights(cfg, student, teacher)  # a corrupt folder is refused before any eval, score or step
     return tok, student, teacher
 
@@ -114,7 +114,7 @@ def load_named_teachers(cfg: TrainerConfig, tok, student, given: dict | None = N
                                    attn_implementation=mc.attn_implementation).requires_grad_(False)
                 try:
                     check_compatible(tok, load_tokenizer(path, trust_remote_code=mc.trust_remote_code), student,
-                                     model)
+                                     model, cross_tokenizer=cfg.xtok.mode != "off", key=key)
                 except IncompatibleModelsError as e:
                     raise IncompatibleModelsError(f"{key}: " + str(e).removeprefix("model.teacher: ")) from None
                 check_finite_model(key, model, spec.path)

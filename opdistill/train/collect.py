@@ -14,6 +14,7 @@ teacher's request may still be on its way when the step starts (a remote teacher
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -106,21 +107,49 @@ class Collector:
                         requested_ids=student_choices(ro.input_ids, ro.sampler_topk) if union else None)
         if self.teacher is not None:
             rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
-                        tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index))
+                        tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index),
+                        prompts=tuple(problems[i].prompt for i in ro.prompt_index))
             self._score(data, rows, step)
         t2 = time.perf_counter()
         rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
         if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
             data.advantages = group_advantages(rewards, ro.prompt_index)
-        return data, {"sums": [float(rewards.double().sum()), float(ro.num_rows), float(ro.response_mask.sum())],
-                      "time/rollout_s": t1 - t0, "time/teacher_s": t2 - t1}
+        sums = [float(rewards.double().sum()), float(ro.num_rows), float(ro.response_mask.sum())]
+        local = {"sums": sums + ([0.0] * 4 if self._xtok else []), "time/rollout_s": t1 - t0,
+                 "time/teacher_s": t2 - t1}
+        self.settle(data, local)
+        return data, local
+
+    @property
+    def _xtok(self) -> bool:
+        return self.cfg.xtok.mode != "off" and self.teacher is not None
 
     def reduce(self, local: dict) -> dict:
         """The step's metrics from :meth:`rollouts`' local ones, summed over the ranks (a collective)."""
         local = dict(local)
-        reward_sum, n_rows, tokens = self.ctx.sum(local.pop("sums"))
-        return {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
-                "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
+        reward_sum, n_rows, tokens, *xtok = self.ctx.sum(local.pop("sums"))
+        out = {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
+               "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
+        if xtok:  # a cross-tokenizer teacher: token-weighted over the step's scored positions on every rank
+            positions, exact, masked, residual = xtok
+            n = max(positions, 1.0)
+            out.update({"xtok/exact_frac": exact / n, "xtok/masked_frac": masked / n,
+                        "xtok/residual_mass": residual / max(positions - masked, 1.0)})
+        return out
+
+    def settle(self, data: StepData, local: dict) -> None:
+        """Once the teacher's scores are here: the positions a cross-tokenizer teacher has no signal for leave the
+        step (``response_mask``), and its sums join the local metrics (``xtok/*``, SPEC 6.6). Called where the
+        scores arrive: :meth:`rollouts`, or the pipelined step's trainer thread for a teacher scored there."""
+        scores = data.scores
+        if scores is None or isinstance(scores, Future):
+            return
+        if scores.mask is not None:
+            data.response_mask = data.response_mask.clone()
+            data.response_mask[:, 1:] *= scores.mask[:, :-1].to(data.response_mask.dtype)
+        if self._xtok:
+            got = scores.xtok or {}
+            local["sums"][3:7] = [got.get(name, 0.0) for name in ("positions", "exact", "masked", "residual")]
 
     def _score(self, data: StepData, rows: Rows, step: int) -> None:
         """The teacher's scores of ``rows`` into ``data`` (a Future while a background request is on its way), and
@@ -128,7 +157,10 @@ class Collector:
         groups = self.teacher.groups(rows)
         fut = self.teacher.submit(rows, score_request(self.cfg.loss, f"step {step}: {rows.describe()}",
                                                       data.requested_ids))
-        data.scores = fut if self.teacher.background else fut.result()
+        # a cross-tokenizer teacher's mask changes the step's rows, so its scores are waited for here (unless the
+        # pipelined step scores it in the trainer's thread: Teacher.deferred)
+        wait = not self.teacher.background or (self._xtok and not self.teacher.deferred)
+        data.scores = fut.result() if wait else fut
         if groups is not None:
             data.groups = {f"teacher/{name}/": idx for name, idx in groups.items()}
 

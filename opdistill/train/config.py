@@ -290,6 +290,17 @@ class NamedTeacher(TeacherConfig):
         return self
 
 
+class XtokConfig(_Section):
+    """``xtok``: distillation from a teacher whose tokenizer differs from the student's (SPEC 6.6,
+    opdistill/teachers/xtok.py; docs/cross_tokenizer.md). ``off``: such a teacher is refused at load."""
+
+    # bpm: the teacher's next-token distribution mapped onto student tokens by byte prefix (top-K + residual bucket,
+    # any top-k or sampled-token loss); sampled: the teacher's log-prob of the student's sampled token only where
+    # both tokenizations have a boundary at its start and end (a sampled-token loss), the rest masked
+    mode: Literal["off", "bpm", "sampled"] = "off"
+    teacher_topk: int = Field(256, ge=1)  # the teacher's top-K_T per position (capped at its vocabulary)
+
+
 class RoutingConfig(_Section):
     """``routing``: which teacher scores a prompt, from a field of its data (docs/teacher_service.md)."""
 
@@ -314,6 +325,7 @@ class TrainerConfig(_Section):
     # --- multi-teacher routing (docs/teacher_service.md "Several teachers"; rules in _teachers) ---
     teachers: Optional[list[NamedTeacher]] = None  # named teachers, in process (path) or servers (url)
     routing: Optional[RoutingConfig] = None  # which teacher scores which prompt (needed with teachers)
+    xtok: XtokConfig = XtokConfig()  # teachers with another tokenizer (docs/cross_tokenizer.md)
 
     @model_validator(mode="after")
     def _rules(self):
@@ -386,6 +398,23 @@ class TrainerConfig(_Section):
             for i, t in enumerate(self.teachers or []):
                 need(t.api == "opdistill", "loss.support", why.format(
                     f"teachers.{i}.api vllm", "which a stock vllm serve endpoint cannot answer"), lc.support)
+        if self.xtok.mode != "off" and method != "rl":
+            why = "{} with xtok.mode " + self.xtok.mode + " (a teacher with another tokenizer {})"
+            need(lc.loss_mode != "full", "loss.loss_mode", why.format(
+                "topk or sampled", "has no hidden states over the student's vocabulary"), lc.loss_mode)
+            need(not (lc.loss_mode == "topk" and lc.support == "union"), "loss.support", why.format(
+                "tail, truncated or renormalized", "cannot score the student's own top-k ids"), lc.support)
+            need(self.xtok.mode != "sampled" or lc.loss_mode == "sampled", "loss.loss_mode", why.format(
+                "sampled", "gives only the log-prob of the student's token in mode sampled"), lc.loss_mode)
+            need(self.data.teacher_cache is None, "data.teacher_cache", why.format(
+                "null", "reads each prompt's text, which a cache's rows do not keep"), self.data.teacher_cache)
+            need(self.teacher.engine == "hf", "teacher.engine", why.format(
+                "hf", "is scored through opdistill's own teachers"), self.teacher.engine)
+            need(self.teacher.api == "opdistill", "teacher.api", why.format(
+                "opdistill", "needs its top-k and sampled log-probs together"), self.teacher.api)
+            for i, t in enumerate(self.teachers or []):
+                need(t.api == "opdistill", f"teachers.{i}.api", why.format(
+                    "opdistill", "needs its top-k and sampled log-probs together"), t.api)
         if self.teacher.engine == "vllm":
             need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
                  self.teacher.engine)

@@ -89,8 +89,12 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals.tokens = _per_problem(m.sum(-1), idx, P)
     if teacher is None:
         return vals
-    scores = teacher.score(Rows(s.input_ids, s.attention_mask, s.response_mask),
+    scores = teacher.score(Rows(s.input_ids, s.attention_mask, s.response_mask,
+                                prompts=tuple(problems[i].prompt for i in idx)),
                            ScoreRequest(k=topk, sampled=True, what="evaluation"))  # any Teacher (opdistill.teachers)
+    if scores.mask is not None:  # a cross-tokenizer teacher: positions without a signal (SPEC 6.6) are not measured
+        m = m & scores.mask
+        vals.tokens = _per_problem(m.sum(-1), idx, P)
     # log r = log nu - log pi at the sampled token (sampler log-probs are the student's at the eval temperature)
     log_r = (scores.sampled_logprobs.double() - s.sampler_logprobs.double())
     k1 = torch.where(m, -log_r, 0.0)

@@ -73,6 +73,7 @@ class OneAtATime(Teacher):
     forward, whose float rounding depends on the batch: one at a time, each is scored alone, whatever the timing)."""
 
     background = True
+    deferred = True
 
     def __init__(self, teacher: Teacher):
         self.teacher, self.key = teacher, teacher.key
@@ -108,6 +109,7 @@ class InTrainerThread(Teacher):
     scored in the trainer's: :meth:`submit` only records the request, :meth:`Pipeline.get` scores it."""
 
     background = True
+    deferred = True
 
     def __init__(self, teacher: Teacher):
         self.teacher, self.key = teacher, teacher.key
@@ -210,6 +212,7 @@ class Pipeline:
         if data is not None and isinstance(data.scores, ScoreLater):  # a collective teacher: scored here
             t1 = time.perf_counter()
             data.scores = self.collect.teacher.score(data.scores.rows, data.scores.request)
+            self.collect.settle(data, metrics)  # a cross-tokenizer teacher's mask and sums
             metrics["time/teacher_s"] += time.perf_counter() - t1
         wait_version = metrics.pop("time/wait_version_s")
         data, metrics = self.collect.share(data, metrics if data is not None else None)  # tp: to the peers

@@ -227,7 +227,8 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
                               f"got {layers}")
     for t in teachers:
         try:
-            check_compatible(tokenizer, t.tokenizer, student.model, t.model)
+            check_compatible(tokenizer, t.tokenizer, student.model, t.model, cross_tokenizer=cfg.xtok.mode != "off",
+                             key=t.key)
         except IncompatibleModelsError as e:
             raise IncompatibleModelsError(f"{t.key}: " + str(e).removeprefix("model.teacher: ")) from None
     if cfg.train.fused_lm_head and _softcap(student) is not None:
