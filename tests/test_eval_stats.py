@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opdistill.runs.values import METRICS, EvalValues, nest_intervals, summarize, values_from_json, values_to_json
-from opdistill.runs.stats import paired_change, paired_difference, ratio_interval, ratio_intervals
+from opdistill.runs.stats import paired_change, paired_difference, paired_lift_ratio, ratio_interval, ratio_intervals
 
 
 def _quantile(sorted_vals, q):
@@ -255,3 +255,31 @@ def test_values_json_round_trip_and_refusals():
         values_from_json({"problems": [1.0], "tokens": [float("nan")]}, "f.json")
     with pytest.raises(ValueError, match=r"^f.json: every field needs one value per problem, got lengths \[1, 2\]$"):
         values_from_json({"problems": [1.0], "tokens": [1.0, 2.0]}, "f.json")
+
+
+def test_paired_lift_ratio_matches_an_independent_reference_and_exact_cases():
+    """(mean_s R_a_s - R_base) / (mean_t R_b_t - R_base) on one draw of problems per resample, written with explicit
+    index draws; a run that lifts as much as the reference gives exactly 1, half as much exactly 0.5."""
+    rng = np.random.default_rng(3)
+    n = 40
+    ones = [1.0] * n
+    base = (rng.binomial(1, 0.2, n).astype(float).tolist(), ones)
+    a = [(rng.binomial(1, 0.6, n).astype(float).tolist(), ones) for _ in range(2)]
+    b = [(rng.binomial(1, 0.7, n).astype(float).tolist(), ones) for _ in range(2)]
+    iv = paired_lift_ratio(base, a, b, resamples=200, seed=5)
+    idx = np.random.default_rng(5).integers(0, n, size=(200, n))
+
+    def lift(rows):
+        r = lambda num: sum(num[i] for i in rows) / len(rows)  # noqa: E731
+        gain_b = sum(r(x[0]) for x in b) / len(b) - r(base[0])
+        return (sum(r(x[0]) for x in a) / len(a) - r(base[0])) / gain_b if gain_b > 0 else None
+
+    vals = sorted(v for v in (lift(idx[k]) for k in range(200)) if v is not None)
+    assert (iv.value, iv.lo, iv.hi) == pytest.approx((lift(range(n)), _quantile(vals, 0.025), _quantile(vals, 0.975)),
+                                                     rel=1e-12)
+    easy = rng.uniform(0.0, 0.5, size=n)
+    one = np.ones(n)
+    same = paired_lift_ratio((easy, one), [(easy + 0.2, one)], [(easy + 0.2, one)])
+    half = paired_lift_ratio((easy, one), [(easy + 0.1, one)], [(easy + 0.2, one)])
+    assert (same.value, same.lo, same.hi) == pytest.approx((1.0, 1.0, 1.0)) and half.value == pytest.approx(0.5)
+    assert (half.lo, half.hi) == pytest.approx((0.5, 0.5))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Interval", "bootstrap_indices", "bootstrap_counts", "ratio_interval", "ratio_intervals", "paired_change",
-           "paired_difference"]
+           "paired_difference", "paired_lift_ratio"]
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
@@ -151,3 +151,20 @@ def paired_difference(a: list[tuple], b: list[tuple], *, resamples: int = DEFAUL
     k = len(a)
     return _paired([*a, *b], lambda r: np.mean(r[:k], axis=0) - np.mean(r[k:], axis=0), level, resamples, seed,
                    "a and b")
+
+
+def paired_lift_ratio(base: tuple, a: list[tuple], b: list[tuple], *, resamples: int = DEFAULT_RESAMPLES,
+                      seed: int = 0, level: float = DEFAULT_LEVEL) -> Interval:
+    """How much of ``b``'s lift over a shared start ``a`` reaches: ``(mean_s R_a_s - R_base) / (mean_t R_b_t -
+    R_base)`` (1: the same lift; 0.8: 80% of it), paired over problems as :func:`paired_difference` (each resample
+    draws one set of problems for the start and every run); resamples where ``b`` does not lift are left out."""
+    if not a or not b:
+        raise ValueError(f"a and b: expected at least one (num, den) in each, got {len(a)} and {len(b)}")
+    k = len(a)
+
+    def ratio(r):
+        gain_b = np.mean(r[1 + k:], axis=0) - r[0]
+        return np.where(gain_b > 0, (np.mean(r[1:1 + k], axis=0) - r[0]) / np.where(gain_b > 0, gain_b, 1.0),
+                        np.nan)
+
+    return _paired([base, *a, *b], ratio, level, resamples, seed, "base, a and b")
