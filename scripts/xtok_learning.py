@@ -10,7 +10,7 @@ seeds, 600 held-out problems evaluated at step 60 (greedy accuracy):
 - ``same``: the character-level demo teacher (builtin:demo-teacher, 0.995 greedy), top-8 tail forward KL;
 - ``bpm``: the byte-level BPE demo teacher (builtin:demo-teacher-bpe, 0.990 greedy), the same loss on its
   distribution mapped onto the student's characters (``xtok.mode bpm``);
-- ``sampled``: the BPE teacher through the fallback (``xtok.mode sampled``, the sampled-token k1 loss the
+- ``sampled``: the BPE teacher through the fallback (``xtok.mode sampled``, the sampled-token k3 loss the
   config's ``loss.loss_mode: sampled`` defaults to), its log-prob of the student's character where both
   tokenizations have a boundary at its start and end.
 

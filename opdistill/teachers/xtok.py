@@ -4,14 +4,17 @@ It wraps any teacher that scores rows in the teacher's own tokens (the model in 
 teacher server, a member of a routed set) and answers in the student's tokens:
 
 1. each row's response (the student's ids) -> its bytes -> its text; the prompt as the data gave it
-   (``Rows.prompts``) through the teacher's chat template; the text through the teacher's tokenizer (its
-   end-of-sequence token appended where the student's response ended with its own);
-2. the wrapped teacher scores those rows: its top-K_T (``xtok.teacher_topk``) and its log-prob of its own next token
+   (``Rows.prompts``) through the teacher's chat template; the text through the teacher's tokenizer (special tokens,
+   the end-of-sequence token among them, as the teacher's with the same content); with one tokenizer on both sides
+   the student's own ids;
+2. where each student position's teacher context stops (:meth:`CrossTokenizerTeacher._starts`: before a teacher
+   boundary that the student's next bytes decided, which would leak them to the teacher);
+3. the wrapped teacher scores those rows: its top-K_T (``xtok.teacher_topk``) and its log-prob of its own next token
    at every response position;
-3. :func:`opdistill.xtok.map_rows` maps them onto the student's positions: the student top-K plus a residual bucket
+4. :func:`opdistill.xtok.map_rows` maps them onto the student's positions: the student top-K plus a residual bucket
    (``xtok.mode: bpm``), or the log-prob of the student's sampled token where both tokenizations have a boundary at
    its start and end (``xtok.mode: sampled``, the cheap fallback);
-4. the scores carry ``mask`` (positions without a signal: the trainer drops them from the step and counts them) and
+5. the scores carry ``mask`` (positions without a signal: the trainer drops them from the step and counts them) and
    the sums behind ``xtok/exact_frac``, ``xtok/residual_mass`` and ``xtok/masked_frac``.
 
 The same tokenizer on both sides gives the same-tokenizer losses (tested); the wrapper is built only when
@@ -95,6 +98,8 @@ class CrossTokenizerTeacher(Teacher):
             p_s.append(start)
         if self.same:  # one tokenizer: the student's own tokens, the identity (SPEC 6.6)
             texts = [RowText(s_ids, s_ids) for s_ids in responses]
+        elif self.mode == "sampled":  # the fallback reads the teacher's own pieces from the boundary at c: no back-off
+            texts = [RowText(s_ids, full) for s_ids, full in zip(responses, self._retokenize(responses))]
         else:
             fulls = self._retokenize(responses)
             windows = [self._windows(s_ids, full) for s_ids, full in zip(responses, fulls)]

@@ -7,35 +7,38 @@ distribution over its next token before tau_d (what it returned: its top-K_T, an
 A tokenizer that puts spaces before a text (SentencePiece's "▁" prefix) gives ``lead`` extra bytes: offsets are in
 the teacher's bytes ``lead * b" " + text``.
 
-At student position i (it predicts y_i, starting at byte c = c_i), let tau_j be the teacher token that covers byte c
-(a_j <= c < b_j) and p = bytes [a_j, c) (empty when c is a teacher boundary: the position is *aligned*).
+At student position i (it predicts y_i, at bytes [c, e)), the teacher's context stops before some teacher token
+tau_{j0} with a_{j0} <= c (``RowText.starts``; by default the token that covers byte c; opdistill/teachers/xtok.py
+backs off further where the teacher's boundary depends on the bytes that follow), and p = bytes [a_{j0}, c) is what
+the teacher must write before the student's token (empty: the position is *aligned*).
 
-1. **Condition on p.** A teacher token tau at q_j is *consistent* when its bytes start with p and are longer than p
-   (one whose bytes are exactly p ends at c, and what follows it is not known: its mass is *unresolved*). The
-   consistent mass Z (plus the teacher's mass outside its top-K_T, whose bytes are not known) normalises the rest;
-   Z = 1 where p is empty.
-2. **Map each consistent token to a student token**: its bytes after p, r, go to the student token whose bytes are
-   the longest prefix of r (the student token the continuation starts with); none (r starts with part of a
-   character the student cannot write alone, say): the residual. A special teacher token goes to the student's
-   special token with the same content (end-of-sequence to end-of-sequence).
-3. **The chain rule along the response.** Where tau_j ends inside y_i (b_j < e_i: the teacher writes the student's
-   token in several pieces), tau_j is not mapped as a whole: the teacher's next distribution q_{j+1} is read with
-   the bytes so far w = [c, b_j) in front (w + bytes of tau, mapped as in 2, with weight q_j(tau_j)), and so on
-   until the teacher token on the response reaches e_i. So the student token y_i gets the product
-   q_j(tau_j) q_{j+1}(tau_{j+1}) ... of the teacher pieces that write it, and every other branch its own product.
+1. **Match p.** The branches from q_{j0}: a teacher token that writes the rest of p and goes on past c is a *leaf*;
+   the teacher's own token tau_d is *followed* (weight q_d(tau_d), then the branches of q_{d+1}) while it ends
+   before e, inside p or inside y_i; any other token that ends at c or inside p would need the teacher's
+   distribution after it, which is not known: it is left out (BPM's rule), like tokens that do not write p. The
+   leaves' mass Z (plus the teacher's mass outside its top-K_T, not known to be left out) normalises the rest;
+   Z = 1 where p is empty (nothing is left out).
+2. **Map each leaf to a student token**: the bytes it writes after c, r, go to the student token whose bytes are the
+   longest prefix of r (the student token the continuation starts with); none (r starts with part of a character
+   the student cannot write alone, say): the residual. Special tokens are sentinel bytes (opdistill/xtok/tokens.py),
+   so a special teacher token goes to the student's with the same content (end-of-sequence to end-of-sequence).
+3. **The chain rule along the response.** Following the teacher's own tokens past c inside y_i (the teacher writes
+   the student's token in several pieces), the bytes written so far go in front of every candidate: y_i gets the
+   product q_j(tau_j) q_{j+1}(tau_{j+1}) ... of the pieces that write it, and every other branch its own product.
    Off the response the teacher's next distributions are not known: such a branch's token is mapped as it is (2).
-4. The mass no student token took (unresolved, unmapped, the teacher's tail outside its top-K_T) is the residual
-   bucket; the student's top-K of the rest are the teacher's top-K, so a ``tail`` loss sees the residual in its
-   "rest" bucket, a ``renormalized`` loss drops it, a sampled-token loss reads nu(y_i).
+4. The mass no student token took (unmapped, the teacher's tail outside its top-K_T) is the residual bucket; the
+   student's top-K of the rest are the teacher's top-K, so a ``tail`` loss sees the residual in its "rest" bucket,
+   a ``renormalized`` loss drops it, a sampled-token loss reads nu(y_i).
 
-With the same tokenizer on both sides every position is aligned, every token maps to itself and nothing is expanded:
-the student's distribution is the teacher's, exactly (tested against the same-tokenizer losses).
+With the same tokenizer on both sides (and the student's own tokens as the teacher's) every position is aligned,
+every token maps to itself and nothing is followed: the student's distribution is the teacher's, exactly (tested
+against the same-tokenizer losses).
 
-A position is **exact** (``xtok/exact_frac``) when c and e_i are both teacher boundaries: nu(y_i) is then the
-chain-rule product of the teacher's own pieces. A position is **masked** (``xtok/masked_frac``) when the mapping has
-nothing to give: the teacher's bytes differ from the student's there (a character the teacher's tokenizer cannot
-write: its <unk>), the student wrote a special token inside its response, Z = 0, or (mode ``sampled``, or a
-sampled-token loss) nu(y_i) = 0 or is not an exact chain product.
+A position is **exact** (``xtok/exact_frac``) when c and e are both teacher boundaries: the teacher's own pieces
+write y_i exactly (mode ``sampled`` reads their product). A position is **masked** (``xtok/masked_frac``) when the
+mapping has nothing to give: the teacher's bytes differ from the student's there (a character the teacher's
+tokenizer cannot write: its <unk>; everything after it), Z = 0, or (mode ``sampled``, or a sampled-token loss)
+nu(y_i) = 0 or is not an exact product.
 """
 from __future__ import annotations
 
@@ -209,12 +212,14 @@ def map_rows(vmap: VocabMap, rows: list[RowText], cand_ids: list[torch.Tensor], 
                 while al.t_end[d_end] < e:
                     d_end += 1
                 sampled_exact[n] = float(path_lp[b][j:d_end + 1].double().sum())
-            walk.start(n, b, j0, p, c, e)
+            if mode == "bpm":  # the fallback reads only the exact positions' products
+                walk.start(n, b, j0, p, c, e)
     N = len(pos_row)
     ok = torch.tensor(pos_ok, dtype=torch.bool)
     exact = torch.tensor(pos_exact, dtype=torch.bool)
     z, residual, pos_e, tgt_e, mass_e = walk.run(N, torch.tensor(pos_conditioned, dtype=torch.bool))
-    ok &= z > 0
+    if mode == "bpm":
+        ok &= z > 0  # nothing writes p: no signal
     zs = torch.where(z > 0, z, 1.0)
     residual = residual / zs
     ys = torch.tensor([rows[b].student_ids[i] for b, i in zip(pos_row, pos_idx)], dtype=torch.long)
