@@ -122,3 +122,22 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_numbers(tm
             run_training(load_config(base=too_many), quiet=True)
     finally:
         stop(proc)
+
+
+def test_pipelined_step_with_a_cross_tokenizer_teacher(tmp):
+    """train.max_staleness 1 (the rows and scores made ahead in a background thread): the mask and the counts come
+    with each step's batch, as in the plain step (the fallback's masked tokens leave the step there too)."""
+    c = tiny_config_dict(tmp, steps=3, checkpoint={"every": 0, "save_final": False})
+    c["run_dir"] = str(tmp / "xtok_s1")
+    c["model"]["teacher"] = _bpe_teacher(tmp / "teacher_bpe")
+    c["xtok"] = {"mode": "sampled"}
+    c["loss"] = {"loss_mode": "sampled"}
+    c["train"] = dict(c["train"], max_staleness=1)
+    c["rollout"] = dict(c["rollout"], correction="tis", tis_cap=2.0)
+    c["eval"] = dict(c["eval"], num_prompts=0)
+    run_training(load_config(base=c), quiet=True)
+    steps = _steps(tmp / "xtok_s1")
+    assert [s["train/staleness"] for s in steps] == [0.0, 1.0, 1.0]
+    for s in steps:
+        assert 0 < s["xtok/masked_frac"] < 1 and s["xtok/masked_frac"] == pytest.approx(1 - s["xtok/exact_frac"])
+        assert s["train/response_tokens"] < s["train/generated_tokens"]
