@@ -252,6 +252,51 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
 
 
 @pytest.mark.vllm
+def test_vllm_rollouts_with_a_teacher_of_another_tokenizer(demo, student_engine, tmp_path, monkeypatch):
+    """The vLLM student engine's rollouts scored by the BPE demo teacher through the cross-tokenizer mapping
+    (``xtok.mode bpm``, issue 25): the rows carry their prompts whatever engine sampled them, every position gets a
+    signal, and the mapped top-k is a distribution over the student's characters."""
+    import json
+
+    from opdistill.engines.vllm import EngineSet
+    from opdistill.train import assemble, loop
+    from opdistill.train import collect as collect_mod
+    from opdistill.train.config import load_config
+
+    seen = []
+    real_score = collect_mod.Collector._score
+
+    def recording(self, data, rows, step):
+        real_score(self, data, rows, step)
+        seen.append((rows, data.scores))
+
+    def fake_open(cfg, tok_, student_, resolve):
+        student_engine.push(student_)
+        return EngineSet(student=student_engine,
+                         mismatch=dict(temperature=cfg.rollout.temperature, tis_cap=cfg.rollout.tis_cap))
+
+    monkeypatch.setattr(assemble, "open_engines", fake_open)
+    monkeypatch.setattr(collect_mod.Collector, "_score", recording)
+    monkeypatch.setattr(student_engine, "close", lambda: None)
+    cfg = load_config(base=_engines_config(
+        tmp_path / "run", model={"teacher": "builtin:demo-teacher-bpe"}, teacher={"engine": "hf"},
+        xtok={"mode": "bpm", "teacher_topk": 320}, train={"steps": 2}, checkpoint={"save_final": False}))
+    try:
+        loop.run_training(cfg, quiet=True)
+    finally:
+        student_engine.push(demo[1])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "xtok/exact_frac" in r]
+    assert len(steps) == 2 and len(seen) == 2
+    for r in steps:
+        assert 0 < r["xtok/exact_frac"] < 1 and r["xtok/masked_frac"] == 0.0
+    for rows_, scores in seen:  # the engine's rows carry their prompts; the mapped top-k is a distribution
+        assert rows_.prompts is not None and len(rows_.prompts) == rows_.num_rows
+        mass = scores.topk.logprobs.exp().sum(-1)[rows_.scored()]
+        assert bool((mass > 0.5).all()) and bool((mass <= 1 + 1e-5).all())
+
+
+@pytest.mark.vllm
 def test_pipelined_step_pushes_each_batch_its_own_weight_version(demo, student_engine, teacher_engine, tmp_path,
                                                                  monkeypatch):
     """``train.max_staleness: 2`` with the vLLM engines (issue 23): the pipeline's thread pushes version

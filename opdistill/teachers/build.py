@@ -225,8 +225,7 @@ def build_teacher(cfg, context: TeacherContext, *, train: bool = True) -> Teache
         evaluation = _cross(cfg, local, cfg.model.teacher, context, mode="bpm")
         if cfg.train.method == "rl" or not train:
             return Teachers(None, evaluation)
-        train_teacher = evaluation if cfg.xtok.mode == "bpm" else _cross(cfg, local, cfg.model.teacher, context)
-        return Teachers(train_teacher, evaluation)
+        return Teachers(evaluation.with_mode(cfg.xtok.mode), evaluation)  # one set of tables for both
     if cfg.train.method == "rl" or not train:
         return Teachers(None, local)
     if context.cache is not None:

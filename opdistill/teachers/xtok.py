@@ -60,11 +60,14 @@ class CrossTokenizerTeacher(Teacher):
         self._content = {i: content for content, i in self.vmap.student.specials.items()}
         self.collective = inner.collective
         self.engine_name = inner.engine_name
+        self._closed = [False]  # shared by the copies of with_mode: the teacher they wrap is closed once
 
     def with_mode(self, mode: str) -> "CrossTokenizerTeacher":
         """The same teacher and tables, mapping in ``mode`` (the evaluation's reads bpm whatever the training's)."""
         if mode not in ("bpm", "sampled"):
             raise ValueError(f"xtok.mode: expected bpm or sampled, got {mode!r}")
+        if mode == self.mode:
+            return self
         other = copy.copy(self)
         other.mode = mode
         return other
@@ -80,7 +83,9 @@ class CrossTokenizerTeacher(Teacher):
         return self.inner.metrics()
 
     def close(self) -> None:
-        self.inner.close()
+        if not self._closed[0]:
+            self._closed[0] = True
+            self.inner.close()
 
     def teacher_rows(self, rows: Rows) -> tuple[Rows, list[RowText], list[int], list[int]]:
         """The rows in the teacher's tokens, each row's two tokenizations, and where each row's response starts on
