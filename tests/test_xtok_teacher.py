@@ -215,3 +215,18 @@ def test_windowed_prefix_tokenization_gives_the_whole_prefix_starts(monkeypatch)
     wide = cross.teacher_rows(rows)[1]
     assert all(w == (0, 0) for w in cross._windows(wide[0].student_ids, wide[0].teacher_ids))
     assert [r.starts for r in narrow] == [r.starts for r in wide]
+
+
+def test_retokenizing_through_the_fast_tokenizer_equals_the_tokenizer_call():
+    """The teacher's ids of a response come from its fast tokenizer's batch encoder: the student's ids -> bytes ->
+    text -> ids are what calling the tokenizer on the text gives, for the demo BPE, the character-level tokenizer
+    and the SentencePiece-style one with byte fallback, on arithmetic and unicode text."""
+    from tests.test_xtok_mapping import ARITH, UNICODE, _sentencepiece_byte_fallback
+
+    s_tok, t_tok, inner = _demo_pair()
+    sp = _sentencepiece_byte_fallback(["café au lait naïve über 12 345"] * 20)
+    for tok, texts in ((t_tok, ARITH), (s_tok, ARITH), (sp, ARITH + UNICODE + ["  spaces  around "])):
+        cross = CrossTokenizerTeacher(inner, tok, tok, teacher_topk=4)
+        for text in texts:
+            want = tok(text, add_special_tokens=False)["input_ids"]
+            assert cross._retokenize([want, want + [tok.eos_token_id]]) == [want, want + [tok.eos_token_id]], text

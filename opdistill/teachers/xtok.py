@@ -60,6 +60,7 @@ class CrossTokenizerTeacher(Teacher):
         self._content = {i: content for content, i in self.vmap.student.specials.items()}
         self.collective = inner.collective
         self.engine_name = inner.engine_name
+        self._backend = teacher_tok.backend_tokenizer  # a fast tokenizer (token_bytes refused any other)
         self._closed = [False]  # shared by the copies of with_mode: the teacher they wrap is closed once
 
     def with_mode(self, mode: str) -> "CrossTokenizerTeacher":
@@ -157,7 +158,9 @@ class CrossTokenizerTeacher(Teacher):
                 plan.append(len(stretches))
                 stretches.append(text.decode("utf-8", errors="replace"))
             plans.append(plan)
-        ids = self.teacher_tok(stretches, add_special_tokens=False)["input_ids"] if stretches else []
+        # the fast tokenizer's own batch encoder (what ``tokenizer(texts, add_special_tokens=False)`` runs, without
+        # building a BatchEncoding per text)
+        ids = [e.ids for e in self._backend.encode_batch(stretches, add_special_tokens=False)] if stretches else []
         return [[x for q in plan for x in (ids[q] if q >= 0 else [-1 - q])] for plan in plans]
 
     def _windows(self, s_ids: list, full: list) -> list[tuple[int, int]]:
