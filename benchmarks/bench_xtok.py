@@ -57,11 +57,7 @@ def main():
         t1 = time.perf_counter()
         got = teacher.inner.score(t_rows, ScoreRequest(k=teacher.teacher_topk, sampled=True))
         t2 = time.perf_counter()
-        cand = [(got.topk.ids[b, p_t[b] - 1:p_t[b] - 1 + len(r.teacher_ids)],
-                 got.topk.logprobs[b, p_t[b] - 1:p_t[b] - 1 + len(r.teacher_ids)],
-                 got.sampled_logprobs[b, p_t[b] - 1:p_t[b] - 1 + len(r.teacher_ids)]) for b, r in enumerate(texts)]
-        map_rows(teacher.vmap, texts, [c[0] for c in cand], [c[1] for c in cand], [c[2] for c in cand],
-                 k=request.k, mode=teacher.mode)
+        map_rows(teacher.vmap, texts, *teacher.candidates(got, texts, p_t), k=request.k, mode=teacher.mode)
         t3 = time.perf_counter()
         return {"re-tokenize": t1 - t0, "teacher forward": t2 - t1, "mapping": t3 - t2, "total": t3 - t0}
 

@@ -25,8 +25,8 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CONFIG = "configs/demo_cross_tokenizer.yaml"
@@ -56,21 +56,8 @@ def run_all(out: Path, lanes: int) -> None:
                                     f"train.seed={s}", *args])
             for s in SEEDS for m, args in METHODS.items()]
     print(f"{len(jobs)} runs of 60 steps in {lanes} lanes", flush=True)
-    queue, lock = list(jobs), threading.Lock()
-
-    def lane():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                name, cmd = queue.pop(0)
-            _run(cmd, out / f"{name}.log")
-
-    threads = [threading.Thread(target=lane) for _ in range(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(max_workers=lanes) as pool:  # each lane a subprocess at a time
+        list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"), jobs))
 
 
 def report(out: Path) -> None:

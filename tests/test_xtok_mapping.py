@@ -293,6 +293,15 @@ def test_token_bytes_reads_each_kind_and_refuses_what_cannot_map():
                             "SentencePiece-style or character-preserving tokenizer")
 
 
+def test_token_bytes_read_once_per_tokenizer_and_again_after_added_tokens():
+    tok = bpe_tokenizer(["a b"] * 5, vocab_size=262)
+    first = token_bytes(tok, "model.student's tokenizer")
+    assert token_bytes(tok, "model.teacher's tokenizer") is first  # the preflight's reading, reused by the teacher
+    tok.add_tokens(["<extra>"], special_tokens=True)
+    again = token_bytes(tok)
+    assert again is not first and again.table[tok.convert_tokens_to_ids("<extra>")] == b"\xff<extra>\xff"
+
+
 def test_random_texts_property_total_mass_is_one():
     """Property: over random arithmetic texts and random teacher distributions, student mass + residual = 1 and the
     sampled token's log-prob is that of its top-K slot when it is there."""

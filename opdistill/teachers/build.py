@@ -129,10 +129,16 @@ def _cross(cfg, teacher: Teacher, path: str, context: TeacherContext, *, mode: s
     from opdistill.models import load_tokenizer, output_width
 
     model = getattr(teacher, "model", None)
-    return CrossTokenizerTeacher(teacher, context.tokenizer, load_tokenizer(context.resolve(path)),
-                                 mode=mode or cfg.xtok.mode, teacher_topk=cfg.xtok.teacher_topk,
-                                 use_chat_template=cfg.data.use_chat_template,
-                                 teacher_width=output_width(model) if model is not None else None)
+    return _across(cfg, teacher, context, load_tokenizer(context.resolve(path)), mode=mode or cfg.xtok.mode,
+                   teacher_width=output_width(model) if model is not None else None)
+
+
+def _across(cfg, teacher: Teacher, context: TeacherContext, teacher_tok, *, mode: str, teacher_width: int | None,
+            teacher_topk: int | None = None, key: str | None = None) -> CrossTokenizerTeacher:
+    """The one place a teacher is wrapped to answer in the student's tokens (in process or served)."""
+    return CrossTokenizerTeacher(teacher, context.tokenizer, teacher_tok, mode=mode,
+                                 teacher_topk=cfg.xtok.teacher_topk if teacher_topk is None else teacher_topk,
+                                 use_chat_template=cfg.data.use_chat_template, teacher_width=teacher_width, key=key)
 
 
 def _served_across(cfg, client: Teacher, clients: list, key: str, context: TeacherContext) -> Teacher:
@@ -158,9 +164,8 @@ def _served_across(cfg, client: Teacher, clients: list, key: str, context: Teach
     if max_k is not None and k > max_k:
         raise TeacherServiceError(f"{key}: xtok.teacher_topk={k} is above the server's max K {max_k}; lower "
                                   f"xtok.teacher_topk or start the server with a larger --max-k")
-    return CrossTokenizerTeacher(client, context.tokenizer, t_tok, mode=cfg.xtok.mode, teacher_topk=k,
-                                 use_chat_template=cfg.data.use_chat_template,
-                                 teacher_width=info.get("teacher_vocab_size"), key=key)
+    return _across(cfg, client, context, t_tok, mode=cfg.xtok.mode, teacher_topk=k,
+                   teacher_width=info.get("teacher_vocab_size"), key=key)
 
 
 def _model(context: TeacherContext, key: str):

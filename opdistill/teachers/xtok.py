@@ -115,8 +115,12 @@ class CrossTokenizerTeacher(Teacher):
             for s_ids, full, win in zip(responses, fulls, windows):
                 texts.append(RowText(s_ids, full, self._starts(full, win, pieces[at:at + len(win)])))
                 at += len(win)
+        rendered: dict[int, list[int]] = {}  # by prompt object: the rollout.n rows of one prompt share it
         for b, rt in enumerate(texts):
-            prompt = render_prompt(self.teacher_tok, rows.prompts[b], use_chat_template=self.use_chat_template)
+            prompt = rendered.get(id(rows.prompts[b]))
+            if prompt is None:
+                prompt = render_prompt(self.teacher_tok, rows.prompts[b], use_chat_template=self.use_chat_template)
+                rendered[id(rows.prompts[b])] = prompt
             seqs.append((prompt, rt.teacher_ids))
             p_t.append(len(prompt))
         width = max(len(p) + len(t) for p, t in seqs)
@@ -207,6 +211,18 @@ class CrossTokenizerTeacher(Teacher):
                 starts.append(w + min(common, len(pre) - 1))
         return starts
 
+    @staticmethod
+    def candidates(got: TeacherScores, texts: list[RowText], p_t: list[int]) -> tuple[list, list, list]:
+        """Each row's teacher answer over its response (from the position before it): the top-K_T ids, their
+        log-probs, and the log-probs of the teacher's own tokens, as :func:`map_rows` takes them."""
+        cand_ids, cand_lp, path_lp = [], [], []
+        for b, rt in enumerate(texts):
+            lo, hi = p_t[b] - 1, p_t[b] - 1 + len(rt.teacher_ids)
+            cand_ids.append(got.topk.ids[b, lo:hi])
+            cand_lp.append(got.topk.logprobs[b, lo:hi])
+            path_lp.append(got.sampled_logprobs[b, lo:hi])
+        return cand_ids, cand_lp, path_lp
+
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         if request.hidden or request.requested_ids is not None:
             raise TeacherError(f"{self.key}: a cross-tokenizer teacher maps top-k and sampled-token scores onto the "
@@ -218,13 +234,7 @@ class CrossTokenizerTeacher(Teacher):
         t_rows, texts, p_s, p_t = self.teacher_rows(rows)
         got = self.inner.submit(t_rows, ScoreRequest(k=self.teacher_topk, sampled=True,
                                                      temperature=request.temperature, what=request.what)).result()
-        cand_ids, cand_lp, path_lp = [], [], []
-        for b, rt in enumerate(texts):
-            lo, hi = p_t[b] - 1, p_t[b] - 1 + len(rt.teacher_ids)
-            cand_ids.append(got.topk.ids[b, lo:hi])
-            cand_lp.append(got.topk.logprobs[b, lo:hi])
-            path_lp.append(got.sampled_logprobs[b, lo:hi])
-        out = map_rows(self.vmap, texts, cand_ids, cand_lp, path_lp, k=request.k, mode=self.mode)
+        out = map_rows(self.vmap, texts, *self.candidates(got, texts, p_t), k=request.k, mode=self.mode)
         B, W = rows.input_ids.shape
         dtype = got.sampled_logprobs.dtype
         pos = torch.tensor(p_s, dtype=torch.long)[out.row] + out.index - 1  # the next-token layout's row t

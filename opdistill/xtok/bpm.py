@@ -267,7 +267,7 @@ class _Walk:
 
     def __init__(self, vmap, rows, cand_ids, cand_lp, path_lp, whole):
         self.vmap, self.rows, self.whole = vmap, rows, whole
-        self.cand_ids, self.cand_lp, self.path_lp = cand_ids, cand_lp, path_lp
+        self.path_lp = path_lp
         self.aligned: list = []
         self.frontier: list[tuple] = []  # (n, b, d, p_rem, logw, e_rel)
         # every row's candidates at every depth with the teacher's own token appended (-inf where it is among
@@ -299,16 +299,16 @@ class _Walk:
         pos, tgt, mass = [], [], []
         while self.frontier:
             items, self.frontier = self.frontier, []
-            self._step(items, conditioned, z, residual, pos, tgt, mass)
+            self._step(items, z, residual, pos, tgt, mass)
         for item in self.chain:
-            self._chain(item, conditioned, z, residual, pos, tgt, mass)
+            self._chain(item, z, residual, pos, tgt, mass)
         z = torch.where(conditioned, z, 1.0)  # an aligned start conditions on nothing: Z = 1 exactly
         if pos:
             return z, residual, torch.cat(pos), torch.cat(tgt).long(), torch.cat(mass)
         empty = torch.zeros(0, dtype=torch.long)
         return z, residual, empty, empty, torch.zeros(0, dtype=torch.float64)
 
-    def _step(self, items, conditioned, z, residual, pos, tgt, mass) -> None:
+    def _step(self, items, z, residual, pos, tgt, mass) -> None:
         vm, L = self.vmap, self.vmap.max_len
         at = torch.tensor([self.offset[b] + d for _, b, d, *_ in items])
         cid, clp = self.all_ids[at], self.all_lp[at]
@@ -351,7 +351,7 @@ class _Walk:
             else:  # past c, inside the student's token: its bytes so far go in front of every candidate
                 self.chain.append((n, b, d + 1, tok[len(p_rem):], lw, e_rel - len(tok)))
 
-    def _chain(self, item, conditioned, z, residual, pos, tgt, mass) -> None:
+    def _chain(self, item, z, residual, pos, tgt, mass) -> None:
         n, b, d, written, lw, e_rel = item
         vm, a = self.vmap, self.aligned[item[1]]
         while True:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 
 from opdistill.errors import ConfigError, IncompatibleModelsError
@@ -116,8 +117,23 @@ class TokenBytes:
         return best
 
 
+_READ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (its length, its TokenBytes)
+
+
 def token_bytes(tokenizer, name: str = "tokenizer") -> TokenBytes:
-    """The bytes each id of ``tokenizer`` writes (module notes), or TokenizerBytesError naming ``name``."""
+    """The bytes each id of ``tokenizer`` writes (module notes), or TokenizerBytesError naming ``name``. Read once
+    per tokenizer object (the preflight check and the teacher that maps share it); again if tokens were added."""
+    try:
+        size, read = _READ.get(tokenizer, (None, None))
+    except TypeError:  # not weak-referenceable: read each time
+        return _read(tokenizer, name)
+    if read is None or size != len(tokenizer):
+        read = _read(tokenizer, name)
+        _READ[tokenizer] = (len(tokenizer), read)
+    return read
+
+
+def _read(tokenizer, name: str) -> TokenBytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TokenizerBytesError(f"{name}: {type(tokenizer).__name__} is not a fast tokenizer, so the bytes each "
