@@ -57,6 +57,31 @@ class count_teacher_requests:
         self.cls._score = self.original
 
 
+class watch_sharded_decoding:
+    """Wrap ``Lockstep.logits`` (every forward of a decode from the FSDP2 student, real or in step) to count the
+    forwards, and those after which the student's input embedding was held whole (FSDP2 gathered the root)."""
+
+    def __init__(self):
+        from torch.distributed.tensor import DTensor
+
+        from opdistill.engines import sampler
+
+        self.seen = {"forwards": 0, "root_gathered": 0}
+        self.cls, self.original = sampler.Lockstep, sampler.Lockstep.logits
+        original, seen = self.original, self.seen
+
+        def watching(lock, model, *args, **kwargs):
+            out = original(lock, model, *args, **kwargs)
+            seen["forwards"] += 1
+            seen["root_gathered"] += not isinstance(model.get_input_embeddings().weight, DTensor)
+            return out
+
+        self.cls.logits = watching
+
+    def restore(self) -> None:
+        self.cls.logits = self.original
+
+
 def run_plan(rank: int, world: int, out_dir: str) -> None:
     plan = json.loads((Path(out_dir) / "plan.json").read_text())
     for item in plan:
@@ -76,11 +101,15 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
         sink: dict = {}
         restore = record_rollouts(sink)
         requests = count_teacher_requests()
+        decoding = watch_sharded_decoding()
         try:
             loop.run_training(cfg, resume=item.get("resume", False), quiet=True)
         finally:
             restore()
             requests.restore()
+            decoding.restore()
+        with open(os.path.join(out_dir, f"{item['name']}_decoding_rank{rank}.json"), "w") as f:
+            json.dump(decoding.seen, f)
         with open(os.path.join(out_dir, f"{item['name']}_tokens_rank{rank}.json"), "w") as f:
             json.dump(sink, f)
         with open(os.path.join(out_dir, f"{item['name']}_requests_rank{rank}.json"), "w") as f:

@@ -225,6 +225,35 @@ def check_unequal_widths(rank: int, world: int) -> None:
             raise AssertionError("unequal plain shards must be refused")
 
 
+def check_vocab_rows(rank: int, world: int) -> None:
+    """VocabRows (decoding from an FSDP2 student's vocabulary rows): each rank gets, for inputs of its own size
+    (none at all on rank 0 once), the whole weight's lookup bit for bit and its logits within fp64 rounding, for
+    torch.chunk widths that are uneven (V = 19) or leave a rank without rows (V = 3 at 4 ranks: 1, 1, 1, 0), on an
+    FSDP2-sharded embedding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opdistill.parallel import VocabRows
+
+    mesh = init_device_mesh("cpu", (world,))
+    for V in (19, 3, 32):
+        torch.manual_seed(V)
+        emb = torch.nn.Embedding(V, 6, dtype=torch.float64)
+        whole = emb.weight.detach().clone()
+        fully_shard(emb, mesh=mesh)
+        local = emb.weight.to_local()
+        assert local.shape[0] == max(0, min(-(-V // world), V - rank * -(-V // world)))  # torch.chunk widths
+        rows = VocabRows(local, mesh.get_group())
+        assert rows.vocab_size == V
+        for n in (rank + 2, 0 if rank == 0 else 3):  # each rank its own number of rows
+            g = torch.Generator().manual_seed(10 * rank + n)
+            ids = torch.randint(0, V, (n, 2), generator=g)
+            assert torch.equal(rows.lookup(ids), torch.nn.functional.embedding(ids, whole)), (V, n)
+            h = torch.randn(n, 2, 6, dtype=torch.float64, generator=g)
+            got, want = rows.logits(h), torch.nn.functional.linear(h, whole)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-14, atol=1e-14), (V, n)
+
+
 def check_distillation_loss(rank: int, world: int, group) -> None:
     """DistillationLoss(vocab_group=, vocab_size=) (the vocab-parallel back-end) equals the plain one on ragged
     padded/packed batches: top-k supervised, top-k policy gradient (token log-probs), full-vocabulary JSD."""

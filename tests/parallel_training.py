@@ -27,6 +27,7 @@ from .parallel_op_checks import (
     check_saved_bytes,
     check_size_one_groups,
     check_unequal_widths,
+    check_vocab_rows,
 )
 
 # -- end-to-end data-parallel exactness ----------------------------------------------------------------------------
@@ -146,6 +147,7 @@ def ranks2(rank: int, world: int, out_dir: str) -> None:
     check_unequal_widths(rank, world)
     check_confident_tail(rank, world, group)  # the rest mass where the student is confident, vs float64
     check_dtensor(rank, world)
+    check_vocab_rows(rank, world)
     check_distillation_loss(rank, world, group)
     check_saved_bytes(rank, world, group, "tp=2")
     mbs = _my_micro_batches(rank, world)
@@ -178,6 +180,7 @@ def ranks4(rank: int, world: int, out_dir: str) -> None:
     group = dist.group.WORLD
     n = check_ops(rank, world, group, "tp=4") + check_random_sweep(rank, world, group)
     check_saved_bytes(rank, world, group, "tp=4")
+    check_vocab_rows(rank, world)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_group = mesh["dp"].get_group()
     model = tiny_model()

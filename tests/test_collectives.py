@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from opdistill.fused import fused_token_logprobs, fused_topk_divergence, fused_topk_loss
 from opdistill.parallel import (
+    VocabRows,
     vocab_parallel_generalized_jsd,
     vocab_parallel_token_logprobs,
     vocab_parallel_topk_divergence,
@@ -100,6 +101,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         assert rec.take() == ["all_gather_into_tensor"] + ["all_gather", MAX, SUM] * 3 + [SUM]  # gradients in forward
         total.backward()
         assert rec.take() == []
+        # decoding by vocabulary rows (forward only): the widths once; per call the counts, the inputs, one exchange
+        rows = VocabRows(w[cols], group)
+        assert rec.take() == ["all_gather_into_tensor"]
+        rows.lookup(ids[: rank + 2, 0])  # each rank its own number of ids
+        assert rec.take() == ["all_gather_into_tensor"] * 2 + ["reduce_scatter_tensor"]
+        rows.logits(h[: rank + 2])
+        assert rec.take() == ["all_gather_into_tensor"] * 2 + ["all_to_all_single"]
     _check_zero_masked_rows_dtensor(x)
     dist.barrier()
 

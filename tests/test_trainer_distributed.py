@@ -391,11 +391,15 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
 
 def test_decoding_from_the_shards_equals_world1(runs):
     """``distributed.decode: sharded`` (issue 24): no replica of the student; rollouts and the evaluation decode
-    with the FSDP2 student itself, every forward gathering each layer's shards, the ranks' forwards kept in step
+    with the FSDP2 student itself, every forward gathering each layer's shards (and using the tied embedding by its
+    vocabulary rows: the root is never gathered while decoding), the ranks' forwards kept in step
     though each decodes its own rows (and rank 0 has a chunk of held-out prompts more). The same sampled tokens as
     world 1, the per-step losses within 1e-5, the evaluation's accuracies exactly (its log-prob sums to 1e-4)."""
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", "dsharded") == tokens1["dsharded"]
+    for rank in (0, 1):  # the vocabulary-sized root (the tied embedding) is used by its rows, never gathered whole
+        seen = json.loads((tmp / "out" / f"dsharded_decoding_rank{rank}.json").read_text())
+        assert seen["forwards"] > 100 and seen["root_gathered"] == 0, (rank, seen)
     w1, w2 = _losses(tmp / "w1_dsharded"), _losses(tmp / "w2_dsharded")
     assert len(w1) == 3 and all(gn > 0 for *_, gn in w1)
     _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from opdistill.parallel.rows import VocabRows
+
 __all__ = ["Lockstep", "Samples", "lockstep", "sample", "truncate_logits", "row_key"]
 
 
@@ -302,10 +304,16 @@ class Lockstep:
     shards, a collective): every rank of the group must run the same number of forwards, though each decodes its own
     rows and stops at its own EOS. So the ranks agree on the number of prompt chunks, and after every token on
     whether any of them still decodes; a rank with nothing left runs a one-token forward for each token the others
-    still decode (its gathers answer theirs)."""
+    still decode (its gathers answer theirs).
 
-    def __init__(self, group):
-        self.group = group
+    ``rows`` (``lockstep`` finds them): the model's body and its input embedding and lm_head as
+    :class:`~opdistill.parallel.VocabRows`, when the root holds nothing else: a forward then looks the ids up and
+    computes the logits from this rank's vocabulary rows (one all-reduce, one all-gather) and runs the body, whose
+    units gather themselves, so the vocabulary-sized root weights are never gathered whole (docs/distributed.md).
+    None: the model's own forward (the root gathered once, kept until :meth:`release`)."""
+
+    def __init__(self, group, rows: "tuple | None" = None):
+        self.group, self.rows = group, rows
 
     def _max(self, value: int) -> int:
         import torch.distributed as dist
@@ -323,10 +331,21 @@ class Lockstep:
         """Whether any rank still decodes after this token."""
         return bool(self._max(int(alive)))
 
-    @staticmethod
-    def forward(model, pad_id: int = 0, device=None) -> None:
+    def logits(self, model, input_ids: torch.Tensor, *, last: bool = True, **kwargs) -> torch.Tensor:
+        """The logits of a forward of ``model``: the last position's ``[rows, V]`` (``last``), else every
+        position's ``[rows, S, V]``; the same collectives on every rank."""
+        if self.rows is None:
+            out = model(input_ids=input_ids, **kwargs).logits
+        else:
+            body, embed, head = self.rows
+            kwargs.pop("logits_to_keep", None)
+            hidden = body(inputs_embeds=embed.lookup(input_ids), **kwargs).last_hidden_state
+            out = head.logits(hidden[:, -1:] if last else hidden)
+        return out[:, -1, :] if last else out
+
+    def forward(self, model, pad_id: int = 0, device=None) -> None:
         """One one-token forward (its gathers answer another rank's forward of real rows)."""
-        model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device), use_cache=False)
+        self.logits(model, torch.full((1, 1), pad_id, dtype=torch.long, device=device), use_cache=False)
 
     def idle(self, model, pad_id: int, device) -> None:
         """One-token forwards while the other ranks decode, until none does."""
@@ -342,6 +361,44 @@ class Lockstep:
             model.reshard()
 
 
+_BY_ROWS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")  # logits = lm_head(h)
+
+
+def _vocab_rows(model, mesh) -> "tuple | None":
+    """(body, input embedding rows, lm_head rows) for :class:`Lockstep` when ``model`` is an FSDP2 causal LM of a
+    family whose logits are ``lm_head(body(...))`` (_BY_ROWS) and whose root unit holds only its input embedding
+    and lm_head (``fully_shard`` on every other module that holds parameters: opdistill/train/distributed.py), both
+    sharded on their vocabulary rows; else None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    family = any(c.__name__ in _BY_ROWS for c in type(model).__mro__)  # FSDP2 subclasses the model's class
+    if (not family or not isinstance(model, FSDPModule) or body is None
+            or type(embed) is not torch.nn.Embedding or embed.max_norm is not None
+            or type(head) is not torch.nn.Linear or head.bias is not None
+            or any(getattr(model.config, k, None) not in (None, 1.0) for k in ("logit_scale", "final_logit_softcapping"))):
+        return None
+    vocab = {id(embed.weight), id(head.weight)}
+    for w in (embed.weight, head.weight):
+        if not isinstance(w, DTensor) or w.device_mesh != mesh or tuple(w.placements) != (Shard(0),):
+            return None
+
+    def root_params(module):  # the parameters no inner FSDP2 unit holds
+        for child in module.children():
+            if not isinstance(child, FSDPModule):
+                yield from root_params(child)
+        yield from module.parameters(recurse=False)
+
+    if any(id(p) not in vocab for p in root_params(model)):
+        return None
+    model._get_fsdp_state()._lazy_init()  # the root is the root, though the body's units may run first
+    group = mesh.get_group()
+    rows = VocabRows(embed.weight.to_local(), group)
+    return body, rows, rows if head.weight is embed.weight else VocabRows(head.weight.to_local(), group)
+
+
 def lockstep(model) -> "Lockstep | None":
     """A :class:`Lockstep` for a model whose parameters are DTensors over a 1-D mesh of several ranks (the FSDP2
     student of ``distributed.decode: sharded``), else None."""
@@ -352,7 +409,7 @@ def lockstep(model) -> "Lockstep | None":
             if p.device_mesh.ndim != 1:
                 raise ValueError("sample: a model sharded over a mesh of more than one dimension cannot decode "
                                  "(use a plain replica: distributed.decode replica)")
-            return Lockstep(p.device_mesh.get_group())
+            return Lockstep(p.device_mesh.get_group(), _vocab_rows(model, p.device_mesh))
     return None
 
 
@@ -419,8 +476,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
             cache = DynamicCache(config=model.config)
             if forward_hook is not None:
                 forward_hook(B)
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                           **{cache_arg: cache}, **extra).logits[:, -1, :]
+            kw = dict(attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache}, **extra)
+            logits = model(input_ids=ids, **kw).logits[:, -1, :] if lock is None else lock.logits(model, ids, **kw)
             # the n samples of a prompt share its prefill: repeat the cache rows (prompt-major order)
             rows = torch.arange(B, device=device).repeat_interleave(n)
             if n > 1:
@@ -497,8 +554,10 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                     logits = lean.step(tok, last_pos, P + t)
                 else:
                     attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-                    logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                                   use_cache=True, **{cache_arg: cache}, **extra).logits[:, -1, :]
+                    kw = dict(attention_mask=attn, position_ids=last_pos[:, None], use_cache=True,
+                              **{cache_arg: cache}, **extra)
+                    logits = (model(input_ids=tok[:, None], **kw).logits[:, -1, :] if lock is None
+                              else lock.logits(model, tok[:, None], **kw))
     finally:
         model.train(was_training)
         if lock is not None:

@@ -8,6 +8,7 @@ share); the collectives per call are in docs/parallel.md.
 """
 
 from .jsd import VocabParallelGeneralizedJSD, vocab_parallel_generalized_jsd
+from .rows import VocabRows
 from .sampled import VocabParallelLogProbs, vocab_parallel_token_logprobs
 from .shard import VocabShard, resolve_shard
 from .topk import VocabParallelTopKLoss, vocab_parallel_topk_divergence
@@ -16,6 +17,7 @@ __all__ = [
     "VocabParallelGeneralizedJSD",
     "VocabParallelLogProbs",
     "VocabParallelTopKLoss",
+    "VocabRows",
     "VocabShard",
     "resolve_shard",
     "vocab_parallel_generalized_jsd",

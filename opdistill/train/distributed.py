@@ -333,5 +333,22 @@ def wrap_student(ctx: DistContext, student):
         shard_student(student, ctx.tp)
     for layer in decoder_layers(student):
         fully_shard(layer, mesh=ctx.mesh)
+    if ctx.decode == "sharded":
+        for module in reversed(_outside_layers(student)):  # inner modules first
+            fully_shard(module, mesh=ctx.mesh)
     fully_shard(student, mesh=ctx.mesh)
     return student
+
+
+def _outside_layers(student) -> list:
+    """The modules outside the decoder layers that hold parameters, other than the input embedding and lm_head (the
+    final norm): their own FSDP2 units under ``distributed.decode: sharded``, so that the root unit holds only the
+    vocabulary-sized weights, which decoding uses by rows without gathering them (engines/sampler.py ``Lockstep``)."""
+    vocab = [m for m in (student.get_input_embeddings(), student.get_output_embeddings()) if m is not None]
+    skip = {id(p) for m in [*decoder_layers(student), *vocab] for p in m.parameters()}
+    out = []
+    for module in student.modules():
+        own = list(module.parameters(recurse=False))
+        if module is not student and own and not any(id(p) in skip for p in own):
+            out.append(module)
+    return out

@@ -115,7 +115,9 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
             lock.forward(student, device=dev)
             continue
         rows = slice(r0, r0 + step)
-        logits = student(input_ids=s.input_ids[rows].to(dev), attention_mask=s.attention_mask[rows].to(dev)).logits
+        ids_r, am_r = s.input_ids[rows].to(dev), s.attention_mask[rows].to(dev)
+        logits = student(input_ids=ids_r, attention_mask=am_r).logits if lock is None else \
+            lock.logits(student, ids_r, attention_mask=am_r, last=False)
         res = topk_divergence(logits.float(), ids[rows].to(dev), lp[rows].to(dev), support="tail",
                               divergence="reverse")
         mr = m[rows]
