@@ -19,13 +19,15 @@ from opdistill.train import loop
 from opdistill.train.config import load_config
 
 
-def record_rollouts(sink: dict):
+def record_rollouts(sink: dict, calls: list | None = None):
     """Wrap ``EngineSet.generate_rollouts`` (where the loop's rollouts are made: our sampler or a vLLM student
-    engine) so that each call's rows (their tokens, keyed by step and global prompt index) land in ``sink``; returns
-    a function that restores the original."""
+    engine) so that each call's rows (their tokens, keyed by step and global prompt index) land in ``sink``, and
+    each call's step in ``calls``; returns a function that restores the original."""
     original = engines.EngineSet.generate_rollouts
 
     def recording(self, *args, step, prompt_offset=0, **kwargs):
+        if calls is not None:
+            calls.append(step)
         ro = original(self, *args, step=step, prompt_offset=prompt_offset, **kwargs)
         for row, p in enumerate(ro.prompt_index):
             tokens = ro.input_ids[row][ro.attention_mask[row].bool()].tolist()
@@ -99,7 +101,8 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
                         shutil.rmtree(ckpt)
             dist.barrier()
         sink: dict = {}
-        restore = record_rollouts(sink)
+        calls: list = []
+        restore = record_rollouts(sink, calls)
         requests = count_teacher_requests()
         decoding = watch_sharded_decoding()
         try:
@@ -110,6 +113,8 @@ def run_plan(rank: int, world: int, out_dir: str) -> None:
             decoding.restore()
         with open(os.path.join(out_dir, f"{item['name']}_decoding_rank{rank}.json"), "w") as f:
             json.dump(decoding.seen, f)
+        with open(os.path.join(out_dir, f"{item['name']}_generates_rank{rank}.json"), "w") as f:
+            json.dump(calls, f)
         with open(os.path.join(out_dir, f"{item['name']}_tokens_rank{rank}.json"), "w") as f:
             json.dump(sink, f)
         with open(os.path.join(out_dir, f"{item['name']}_requests_rank{rank}.json"), "w") as f:

@@ -165,16 +165,31 @@ def _assemble(c, ctx):
 
 
 def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
-    """One engine per rank (issue 24): refused with a vocab-parallel student, and on CPU when the node's ranks'
-    KV caches do not fit its memory, before any model loads."""
+    """One engine per rank, or over a data-parallel rank's tp ranks (issue 24): refused, before any model loads,
+    with a vLLM teacher engine or the pipelined step at tp > 1, with a tp size vLLM cannot shard the student's
+    attention heads by, and on CPU when the node's ranks' KV caches do not fit its memory."""
     from opdistill.train.preflight import check_engines_fit
 
     with pytest.raises(ConfigError) as e:
-        _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, distributed={"tp_size": 2}),
+        _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, teacher={"engine": "vllm"}, distributed={"tp_size": 2}),
                   DistContext(rank=0, world=2))
-    assert str(e.value) == ("rollout.engine: vllm with distributed.tp_size 2: each data-parallel rank runs its own "
-                            "engine, and a vocab-parallel student is not wired to one yet; use distributed.tp_size=1 "
-                            "or the hf engines")
+    assert str(e.value) == ("teacher.engine: vllm with distributed.tp_size 2: a data-parallel rank's teacher requests "
+                            "are made by its first tp rank alone, and a vLLM engine over the tp ranks needs every one "
+                            "of them in each request; serve the teacher (teacher.url) or use distributed.tp_size=1")
+    with pytest.raises(ConfigError) as e:
+        _assemble(_cfg(tmp_path, rollout={"engine": "vllm", "correction": "tis", "tis_cap": 2.0},
+                       distributed={"tp_size": 2},
+                       train={"max_staleness": 1}), DistContext(rank=0, world=2))
+    assert str(e.value) == ("train.max_staleness: expected 0 with rollout.engine vllm and distributed.tp_size 2 (the "
+                            "pipelined step makes a batch in the first tp rank's thread alone, and the engine over "
+                            "the tp ranks needs all of them), got 1")
+    monkeypatch.setattr("opdistill.engines.vllm.vllm_available", lambda: True)  # the model's check, past the install's
+    with pytest.raises(ConfigError) as e:  # the tiny student has 2 attention heads
+        _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, distributed={"tp_size": 3}, data={"prompts_per_step": 2}),
+                  DistContext(rank=0, world=3))
+    assert str(e.value) == ("distributed.tp_size: rollout.engine vllm shards the student's attention heads over the 3 "
+                            "tp ranks, and its 2 attention heads do not divide by 3; use a tp_size that divides 2 "
+                            "(and 2), or the hf engines")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = load_config(base=_cfg(tmp_path, rollout={"engine": "vllm", "vllm_kv_cache_gb": 2}, teacher={"engine":
                                                                                                      "vllm"}))

@@ -392,29 +392,43 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
     del cfg["run_dir"]
     # and the pipelined step (train.max_staleness 1, TIS): each rank's thread pushes whole weight versions
     s1 = {**cfg, "train": {**cfg["train"], "max_staleness": 1}, "rollout": {**cfg["rollout"], "correction": "tis"}}
+    # one engine over the 2 tp ranks (vLLM tensor parallelism; the trainer's lm_head vocab-parallel), hf teacher
+    tp = {**cfg, "teacher": {"engine": "hf"}}
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        (out / "plan.json").write_text(_json.dumps([{"name": "vllm", "config": {**cfg, "run_dir": str(out / "run")}},
-                                                    {"name": "s1", "config": {**s1, "run_dir": str(out / "s1")}}]))
+        plan = [{"name": "vllm", "config": {**cfg, "run_dir": str(out / "run")}},
+                {"name": "s1", "config": {**s1, "run_dir": str(out / "s1")}},
+                {"name": "tp", "config": {**tp, "run_dir": str(out / "tp"),
+                                          "distributed": {"tp_size": world}}}]
+        (out / "plan.json").write_text(_json.dumps(plan))
         launch("tests.distributed_trainer:run_plan", world, str(out))
-        for name, run in (("vllm", "run"), ("s1", "s1")):
+        for name, run in (("vllm", "run"), ("s1", "s1"), ("tp", "tp")):
             tokens: dict = {}
             for rank in range(world):
-                for step, prompts in _json.loads((out / f"{name}_tokens_rank{rank}.json").read_text()).items():
+                mine = _json.loads((out / f"{name}_tokens_rank{rank}.json").read_text())
+                if name == "tp" and rank > 0:  # a tp peer: the same rows as its leader, from the one joint generate
+                    assert mine == _json.loads((out / f"{name}_tokens_rank0.json").read_text())
+                    continue
+                for step, prompts in mine.items():
                     for p, rows in prompts.items():
                         assert p not in tokens.setdefault(step, {}), "a prompt sampled on two ranks"
                         tokens[step][p] = rows
             runs[world, name] = (tokens, [r for r in read_metrics(out / run) if "distillation/loss" in r])
-    for name in ("vllm", "s1"):
+    # each rollout made once per data-parallel rank: one generate call per step on each tp rank (the engine's
+    # collective one, the same rows on both), the teacher asked by the leader alone
+    for rank, asked in ((0, [1, 2, 3]), (1, [])):
+        assert _json.loads((tmp_path / "w2" / f"tp_requests_rank{rank}.json").read_text()) == asked
+        assert _json.loads((tmp_path / "w2" / f"tp_generates_rank{rank}.json").read_text()) == [1, 2, 3]
+    for name in ("vllm", "s1", "tp"):
         (t1, m1), (t2, m2) = runs[1, name], runs[2, name]
         assert sorted(t1) == ["1", "2", "3"] and t2 == t1  # the same samples, prompt by prompt, at every step
         assert len(m1) == len(m2) == 3
         for a, b in zip(m2, m1):
             assert a["distillation/loss"] == pytest.approx(b["distillation/loss"], rel=1e-5, abs=1e-7)
             assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
-            if name == "vllm":  # the engine holds the trained weights at every step
+            if name in ("vllm", "tp"):  # the engine holds the trained weights at every step
                 assert 0 <= a["rollout/logprob_diff_max"] < 10 * LP_TOL
             else:  # a version older from step 2 on
                 assert a["train/staleness"] == min(1, a["step"] - 1)

@@ -29,6 +29,13 @@ Design notes
   processed (temperature 1 whatever the request says): ``prompt_logprobs[t + 1]`` holds the top-K (by rank) and
   the actual token ``t + 1``, which is the trainer's next-token row ``t``. Prefix caching is off for the teacher
   (cached prompt blocks return no prompt log-probs).
+- Under torchrun (docs/engines.md): one engine per rank at ``distributed.tp_size`` 1; with tp_size > 1 one engine
+  over each data-parallel rank's tp ranks (consecutive, as the trainer's (dp, tp) mesh lays them out), vLLM's
+  ``external_launcher`` executor with ``tensor_parallel_size`` = tp_size: every rank holds its shard of the engine's
+  weights and KV cache, all of them make each generate call with the same prompts and keys, and all get the same
+  rows (vLLM's scheduling is deterministic). The data-parallel ranks' engines are not coordinated by vLLM (no
+  ``data_parallel_size``: each decodes its own prompts on its own schedule). A push hands every rank the whole
+  tensors, and vLLM's loaders keep each rank's shard.
 - Sleep mode (GPU only; CPU vLLM ignores it): after each rollout the engine sleeps (level 1: weights offloaded,
   KV cache freed), and wakes before the next weight push, so training gets the memory back.
 """
@@ -100,7 +107,7 @@ class VllmEngine:
 
     def __init__(self, path: str, *, role: str, dtype: str = "float32", seed: int = 0, max_logprobs: int = 20,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.3, kv_cache_gb: float = 1.0,
-                 sleep: bool = True, trust_remote_code: bool = False):
+                 sleep: bool = True, trust_remote_code: bool = False, tensor_parallel_size: int = 1):
         if role not in ("student", "teacher"):
             raise ValueError(f"role: expected 'student' or 'teacher', got {role!r}")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -126,6 +133,15 @@ class VllmEngine:
         # under torchrun the process group is the trainer's: vLLM builds its own groups over it (one engine per rank,
         # each its own data-parallel replica at tp 1) and must not destroy it when it shuts down (close)
         self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        if self.tensor_parallel_size > 1:  # one engine over each run of tp consecutive ranks (module notes)
+            if not self._trainer_group:
+                raise EngineError(f"rollout.engine vllm: tensor_parallel_size {self.tensor_parallel_size} needs the "
+                                  "ranks of a torchrun launch (one engine over each tp group of them)")
+            kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
+                          distributed_executor_backend="external_launcher")
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))  # what the launcher reads (torchrun's)
+            os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         self.llm = vllm.LLM(**kwargs)
 
     @property
@@ -274,6 +290,12 @@ class EngineSet:
     student: VllmEngine | None = None
     mismatch: dict | None = None
 
+    @property
+    def joint(self) -> bool:
+        """Whether the student engine spans the tp ranks of a data-parallel rank (every one of them takes part in
+        each of its generate calls, which return the same rows on all of them)."""
+        return self.student is not None and self.student.tensor_parallel_size > 1
+
     def generate_rollouts(self, model, tokenizer, prompts, **kw) -> RolloutBatch:
         if self.student is None:
             return generate_rollouts(model, tokenizer, prompts, **kw)
@@ -305,13 +327,16 @@ def open_engines(cfg, tokenizer, student, resolve: Callable[[str], str]) -> Engi
     band = None if rc.icepop_band is None else tuple(rc.icepop_band)  # set only with correction icepop (config)
     measure = on_student and (rc.engine == "vllm" or rc.tis_cap is not None or band is not None
                               or cfg.train.max_staleness > 0)
+    # under torchrun with distributed.tp_size > 1, one engine over each data-parallel rank's tp ranks
+    tp = cfg.distributed.tp_size if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1 else 1
     es = EngineSet(mismatch=dict(temperature=rc.temperature, tis_cap=rc.tis_cap, band=band,
                                  level=rc.correction_level) if measure else None)
     if rc.engine == "vllm":
         es.student = VllmEngine(resolve(cfg.model.student), role="student", dtype=cfg.model.dtype, seed=cfg.train.seed,
                                 max_model_len=rc.vllm_max_model_len,
                                 gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
-                                kv_cache_gb=rc.vllm_kv_cache_gb, sleep=rc.vllm_sleep)
+                                kv_cache_gb=rc.vllm_kv_cache_gb, sleep=rc.vllm_sleep, tensor_parallel_size=tp)
         try:
             es.student.push(student)
         except BaseException:

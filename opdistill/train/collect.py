@@ -74,7 +74,12 @@ class Collector:
     def __call__(self, step: int, student) -> tuple[StepData, dict]:
         if self.cache is not None:
             return self._from_cache(step)
-        data, local = self.rollouts(step, student) if self.ctx.tp_leader else (None, None)
+        if self.ctx.tp_leader:
+            data, local = self.rollouts(step, student)
+        else:
+            data, local = None, None
+            if self.engines.joint:  # the leader's vLLM engine spans its tp ranks: each takes part in its generate
+                self._generate(step, student)
         data, local = self.share(data, local)
         return data, self.reduce(local)
 
@@ -87,20 +92,9 @@ class Collector:
         """Step ``step``'s rows and scores on this rank, and its metrics before they are reduced over the ranks
         (:meth:`reduce`): no collective runs here (unless the teacher's own), so the pipelined step's thread can
         make them while the trainer's collectives run."""
-        cfg, rc = self.cfg, self.cfg.rollout
-        offset, count = self.ctx.share(cfg.data.prompts_per_step)
-        problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
-        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
-        torch.manual_seed(cfg.train.seed * 1_000_003 + step)
+        cfg = self.cfg
         t0 = time.perf_counter()
-        old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
-        writer = self.writer if cfg.train.method == "off_policy" else student
-        union = self.teacher is not None and union_ids(cfg.loss)
-        ro = self.engines.generate_rollouts(writer, self.tok, prompts, n=rc.n, temperature=rc.temperature,
-                                            top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
-                                            min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
-                                            seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old,
-                                            **({"want_topk": cfg.loss.topk} if union else {}))
+        problems, ro, old, union = self._generate(step, student)
         t1 = time.perf_counter()
         data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
                         sampler_logprobs=ro.sampler_logprobs if old else None,
@@ -119,6 +113,24 @@ class Collector:
                  "time/teacher_s": t2 - t1}
         self.settle(data, local)
         return data, local
+
+    def _generate(self, step: int, student):
+        """(this rank's problems, their rollouts, whether they carry sampler log-probs, whether the student's top-k
+        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of the prompts, its keys)."""
+        cfg, rc = self.cfg, self.cfg.rollout
+        offset, count = self.ctx.share(cfg.data.prompts_per_step)
+        problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
+        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+        torch.manual_seed(cfg.train.seed * 1_000_003 + step)
+        old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
+        writer = self.writer if cfg.train.method == "off_policy" else student
+        union = self.teacher is not None and union_ids(cfg.loss)
+        ro = self.engines.generate_rollouts(writer, self.tok, prompts, n=rc.n, temperature=rc.temperature,
+                                            top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
+                                            min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
+                                            seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old,
+                                            **({"want_topk": cfg.loss.topk} if union else {}))
+        return problems, ro, old, union
 
     @property
     def _xtok(self) -> bool:

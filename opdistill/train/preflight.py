@@ -168,10 +168,16 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
 
     engines = [k for k, v in (("rollout.engine", cfg.rollout.engine), ("teacher.engine", cfg.teacher.engine))
                if v == "vllm"]
-    if engines and world > 1 and cfg.distributed.tp_size > 1:
-        raise ConfigError(f"{engines[0]}: vllm with distributed.tp_size {cfg.distributed.tp_size}: each data-parallel "
-                          f"rank runs its own engine, and a vocab-parallel student is not wired to one yet; use "
-                          f"distributed.tp_size=1 or the hf engines")
+    tp = cfg.distributed.tp_size
+    if cfg.teacher.engine == "vllm" and world > 1 and tp > 1:
+        raise ConfigError(f"teacher.engine: vllm with distributed.tp_size {tp}: a data-parallel rank's teacher "
+                          f"requests are made by its first tp rank alone, and a vLLM engine over the tp ranks needs "
+                          f"every one of them in each request; serve the teacher (teacher.url) or use "
+                          f"distributed.tp_size=1")
+    if cfg.rollout.engine == "vllm" and world > 1 and tp > 1 and cfg.train.max_staleness > 0:
+        raise ConfigError(f"train.max_staleness: expected 0 with rollout.engine vllm and distributed.tp_size {tp} "
+                          f"(the pipelined step makes a batch in the first tp rank's thread alone, and the engine "
+                          f"over the tp ranks needs all of them), got {cfg.train.max_staleness}")
     if engines and world > 1:
         check_engines_fit(cfg, engines)
     if engines and not vllm_available():
@@ -185,6 +191,21 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
         raise ConfigError(f"{urls[0]}: the teacher client needs the serve extra (httpx is missing): "
                           "pip install 'opdistill[serve]'")
     run_device(cfg)
+
+
+def check_vllm_tp(config, tp: int) -> None:
+    """A vLLM student engine over the ``tp`` ranks of a data-parallel rank shards the attention heads over them:
+    the heads must divide by tp, and the key/value heads divide by tp or tp by them (vLLM replicates them then);
+    else refused in one line from the model's config, before any weight is read."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None:
+        return
+    if heads % tp or (kv % tp and tp % kv):
+        what = f"{heads} attention heads" if heads % tp else f"{kv} key/value heads"
+        raise ConfigError(f"distributed.tp_size: rollout.engine vllm shards the student's attention heads over the "
+                          f"{tp} tp ranks, and its {what} do not divide by {tp}; use a tp_size that divides "
+                          f"{heads} (and {kv}), or the hf engines")
 
 
 def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | None = None) -> None:
@@ -245,6 +266,8 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
     if tp > 1 and world > 1 and vocab < tp:
         raise ConfigError(f"distributed.tp_size={tp}: larger than the student's vocabulary ({vocab}); set "
                           f"distributed.tp_size to a divisor of the world size of at most {vocab}")
+    if tp > 1 and world > 1 and cfg.rollout.engine == "vllm":
+        check_vllm_tp(student.model, tp)
     check_metadata(cfg, tokenizer, student, teachers, task)
     check_routing(cfg, task)
     check_held_out(cfg, held_out, world=world, dp=dp)
