@@ -116,7 +116,7 @@ class Collector:
 
     def _generate(self, step: int, student):
         """(this rank's problems, their rollouts, whether they carry sampler log-probs, whether the student's top-k
-        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of the prompts, its keys)."""
+        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of prompts, its keys)."""
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
