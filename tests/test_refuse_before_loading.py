@@ -167,7 +167,8 @@ def _assemble(c, ctx):
 def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
     """One engine per rank, or over a data-parallel rank's tp ranks (issue 24): refused, before any model loads,
     with a vLLM teacher engine or the pipelined step at tp > 1, with a tp size vLLM cannot shard the student's
-    attention heads by, and on CPU when the node's ranks' KV caches do not fit its memory."""
+    attention heads by, with an architecture vLLM does not implement (at any world size), and on CPU when the
+    node's ranks' KV caches do not fit its memory."""
     from opdistill.train.preflight import check_engines_fit
 
     with pytest.raises(ConfigError) as e:
@@ -184,12 +185,21 @@ def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
                             "pipelined step makes a batch in the first tp rank's thread alone, and the engine over "
                             "the tp ranks needs all of them), got 1")
     monkeypatch.setattr("opdistill.engines.vllm.vllm_available", lambda: True)  # the model's check, past the install's
+    monkeypatch.setattr("opdistill.engines.vllm.supported_architectures", lambda: {"LlamaForCausalLM"})
     with pytest.raises(ConfigError) as e:  # the tiny student has 2 attention heads
         _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, distributed={"tp_size": 3}, data={"prompts_per_step": 2}),
                   DistContext(rank=0, world=3))
     assert str(e.value) == ("distributed.tp_size: rollout.engine vllm shards the student's attention heads over the 3 "
                             "tp ranks, and its 2 attention heads do not divide by 3; use a tp_size that divides 2 "
                             "(and 2), or the hf engines")
+    # an architecture vLLM does not implement (here: any but GPT-2), for the rollout or the teacher engine
+    monkeypatch.setattr("opdistill.engines.vllm.supported_architectures", lambda: {"GPT2LMHeadModel"})
+    for over, key, model in (({"rollout": {"engine": "vllm"}}, "rollout.engine", "model.student"),
+                             ({"teacher": {"engine": "vllm"}}, "teacher.engine", "model.teacher")):
+        with pytest.raises(ConfigError) as e:
+            _assemble(_cfg(tmp_path, **over), DistContext())
+        assert str(e.value) == (f"{key}: vllm does not implement {model}'s architecture LlamaForCausalLM (its "
+                                f"config.json); use the hf engines for it")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = load_config(base=_cfg(tmp_path, rollout={"engine": "vllm", "vllm_kv_cache_gb": 2}, teacher={"engine":
                                                                                                      "vllm"}))

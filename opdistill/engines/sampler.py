@@ -308,8 +308,9 @@ class Lockstep:
 
     ``rows`` (``lockstep`` finds them): the model's body and its input embedding and lm_head as
     :class:`~opdistill.parallel.VocabRows`, when the root holds nothing else: a forward then looks the ids up and
-    computes the logits from this rank's vocabulary rows (one all-reduce, one all-gather) and runs the body, whose
-    units gather themselves, so the vocabulary-sized root weights are never gathered whole (docs/distributed.md).
+    computes the logits from each rank's vocabulary rows (collectives on the ranks' inputs, parallel/rows.py) and
+    runs the body, whose units gather themselves, so the vocabulary-sized root weights are never gathered whole
+    (docs/distributed.md).
     None: the model's own forward (the root gathered once, kept until :meth:`release`)."""
 
     def __init__(self, group, rows: "tuple | None" = None):
@@ -378,7 +379,8 @@ def _vocab_rows(model, mesh) -> "tuple | None":
     if (not family or not isinstance(model, FSDPModule) or body is None
             or type(embed) is not torch.nn.Embedding or embed.max_norm is not None
             or type(head) is not torch.nn.Linear or head.bias is not None
-            or any(getattr(model.config, k, None) not in (None, 1.0) for k in ("logit_scale", "final_logit_softcapping"))):
+            or any(getattr(model.config, k, None) not in (None, 1.0)
+                   for k in ("logit_scale", "final_logit_softcapping"))):
         return None
     vocab = {id(embed.weight), id(head.weight)}
     for w in (embed.weight, head.weight):
@@ -393,7 +395,9 @@ def _vocab_rows(model, mesh) -> "tuple | None":
 
     if any(id(p) not in vocab for p in root_params(model)):
         return None
-    model._get_fsdp_state()._lazy_init()  # the root is the root, though the body's units may run first
+    # FSDP2 takes the first unit to run forward as the root; the body's units run first here, so the root is
+    # initialized now (a private call: torch has no public one)
+    model._get_fsdp_state()._lazy_init()
     group = mesh.get_group()
     rows = VocabRows(embed.weight.to_local(), group)
     return body, rows, rows if head.weight is embed.weight else VocabRows(head.weight.to_local(), group)

