@@ -152,6 +152,49 @@ def weight_files(folder: str | os.PathLike) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+@torch.no_grad()
+def load_shards(model, folder: str | os.PathLike, *, device, group, key: str, fallback: str) -> None:
+    """Fill ``model``, built without weights (:func:`empty_model`) and FSDP2-sharded over ``group`` (its parameters
+    meta DTensors), with each rank's own rows of every weight, read from ``folder``'s safetensors files a slice per
+    tensor (never the whole tensor), so a rank's host memory holds its shards, not the model. The parameters become
+    empty shards on ``device`` (``to_empty``), filled from ``get_slice`` at this rank's offsets (DTensor's chunking:
+    FSDP2's); the buffers computed when the model was built (rotary tables) are kept. A NaN/inf weight on any rank
+    is refused on every rank. ``key``: the config key the errors name; ``fallback``: the setting that loads it
+    whole instead (named when the folder's tensors do not match)."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    files = weight_files(folder)
+    handles: dict = {}
+    finite = True
+    try:
+        for name, p in model.named_parameters():
+            if name not in files:
+                raise ModelError(f"{key}: {folder} has no tensor {name!r} to read this rank's shard from (its "
+                                 f"checkpoint names differ from the model's); set {fallback} to load it whole")
+            f = handles.get(files[name]) or handles.setdefault(files[name], safe_open(str(files[name]), "pt"))
+            sl = f.get_slice(name)
+            if tuple(sl.get_shape()) != tuple(p.shape):
+                raise ModelError(f"{key}: {folder}: tensor {name!r} has shape {tuple(sl.get_shape())}, the model's "
+                                 f"parameter {tuple(p.shape)}")
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = p.to_local()
+            local.copy_(sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
+            finite = finite and (not local.is_floating_point() or bool(torch.isfinite(local).all()))
+    finally:
+        handles.clear()
+    ok = torch.tensor([float(finite)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        raise ModelError(f"{key}: a weight of {str(folder)!r} holds NaN/inf (a corrupt or diverged model folder); "
+                         f"use an intact model folder")
+
+
 def _special_tokens(tok) -> dict[str, tuple[str | None, int | None]]:
     out = {}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):

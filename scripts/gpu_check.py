@@ -96,12 +96,15 @@ def _worker(record_path: str, train_args: list[str]) -> int:
                     backend=str(dist.get_backend(ctx.group)) if ctx.enabled else None)
         return ctx
 
-    def wrap(ctx, student):
-        p = next(student.parameters())
-        seen.update(student_device=str(p.device), student_dtype=str(p.dtype).removeprefix("torch."))
-        return real_wrap(ctx, student)
+    wrapped: list = []
 
-    def build(cfg, context, **kw):
+    def wrap(ctx, student):
+        wrapped.append(real_wrap(ctx, student))
+        return wrapped[-1]
+
+    def build(cfg, context, **kw):  # after the student's weights are in (decode sharded reads them after wrapping)
+        p = next(wrapped[-1].parameters())
+        seen.update(student_device=str(p.device), student_dtype=str(p.dtype).removeprefix("torch."))
         out = real_build(cfg, context, **kw)
         seen.update(teacher=type(out.train).__name__)
         return out

@@ -61,16 +61,19 @@ class count_teacher_requests:
 
 class watch_sharded_decoding:
     """Wrap ``Lockstep.logits`` (every forward of a decode from the FSDP2 student, real or in step) to count the
-    forwards, and those after which the student's input embedding was held whole (FSDP2 gathered the root)."""
+    forwards, and those after which the student's input embedding was held whole (FSDP2 gathered the root); and
+    ``load_models`` to record whether the student was built without its weights (read shard by shard)."""
 
     def __init__(self):
         from torch.distributed.tensor import DTensor
 
         from opdistill.engines import sampler
+        from opdistill.train import assemble
 
-        self.seen = {"forwards": 0, "root_gathered": 0}
+        self.seen = {"forwards": 0, "root_gathered": 0, "student_shards": None}
         self.cls, self.original = sampler.Lockstep, sampler.Lockstep.logits
-        original, seen = self.original, self.seen
+        self.assemble, self.load_models = assemble, assemble.load_models
+        original, seen, load_models = self.original, self.seen, self.load_models
 
         def watching(lock, model, *args, **kwargs):
             out = original(lock, model, *args, **kwargs)
@@ -78,10 +81,19 @@ class watch_sharded_decoding:
             seen["root_gathered"] += not isinstance(model.get_input_embeddings().weight, DTensor)
             return out
 
+        def loading(*args, **kwargs):
+            seen["student_shards"] = kwargs.get("student_shards", False)
+            tok, student, teacher = load_models(*args, **kwargs)
+            if seen["student_shards"]:
+                assert all(p.is_meta for p in student.parameters()), "a student built with its weights"
+            return tok, student, teacher
+
         self.cls.logits = watching
+        assemble.load_models = loading
 
     def restore(self) -> None:
         self.cls.logits = self.original
+        self.assemble.load_models = self.load_models
 
 
 def run_plan(rank: int, world: int, out_dir: str) -> None:
@@ -171,6 +183,43 @@ def sharded_teacher_scores(rank: int, world: int, teacher_dir: str) -> dict:
         out["sharded_after"].append(isinstance(w, DTensor) and w.to_local().shape[0] < w.shape[0])
         local = sum(p.to_local().numel() for p in sharded.model.parameters())
         out["local_fraction"].append(local / sum(p.numel() for p in reference.parameters()))
+    out["refused"] = _bad_shards(rank, teacher_dir, mesh)
+    return out
+
+
+def _bad_shards(rank: int, teacher_dir: str, mesh) -> dict:
+    """The messages of ``models.load_shards`` (through ``ShardedTeacher``) for a folder whose final norm weight is
+    missing, of another shape, or NaN on one rank's rows only (each rank its own copy of the folder)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from opdistill.errors import ModelError
+    from opdistill.models import empty_model
+    from opdistill.teachers import ShardedTeacher
+
+    out = {}
+    for case in ("missing", "shape", "nan"):
+        bad = Path(tempfile.mkdtemp()) / "teacher"
+        shutil.copytree(teacher_dir, bad)
+        sd = load_file(str(bad / "model.safetensors"))
+        name = "model.norm.weight"
+        if case == "missing":
+            sd["model.norm.renamed"] = sd.pop(name)
+        elif case == "shape":
+            sd[name] = sd[name][:-1].clone()
+        else:  # a NaN in the last row: on the last rank's shard only, so the others learn it from the vote
+            sd[name] = sd[name].clone()
+            sd[name][-1] = float("nan")
+        save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            ShardedTeacher(empty_model(bad), mesh, mesh.get_group())
+        except ModelError as e:
+            out[case] = str(e).replace(str(bad), "<folder>")
+        finally:
+            shutil.rmtree(bad.parent)
     return out
 
 

@@ -321,6 +321,13 @@ def test_sharded_teacher_scores_equal_the_replicated_teachers(runs):
         assert r["forwards"] == [7, 3, 7]
         assert r["sharded_after"] == [True, True, True]
         assert all(f <= 0.5 + 0.02 for f in r["local_fraction"])  # each rank holds half of every weight (+ a row)
+        # a folder that does not fit the model, refused on every rank (models.load_shards, the student's reader too)
+        assert r["refused"] == {
+            "missing": "model.teacher: <folder> has no tensor 'model.norm.weight' to read this rank's shard from (its "
+                       "checkpoint names differ from the model's); set model.teacher_sharded=false to load it whole",
+            "shape": "model.teacher: <folder>: tensor 'model.norm.weight' has shape (31,), the model's parameter (32,)",
+            "nan": "model.teacher: a weight of '<folder>' holds NaN/inf (a corrupt or diverged model folder); use an "
+                   "intact model folder"}
 
 
 def test_sharded_teacher_trains_as_the_replicated_one(runs):
@@ -392,14 +399,15 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
 def test_decoding_from_the_shards_equals_world1(runs):
     """``distributed.decode: sharded`` (issue 24): no replica of the student; rollouts and the evaluation decode
     with the FSDP2 student itself, every forward gathering each layer's shards (and using the tied embedding by its
-    vocabulary rows: the root is never gathered while decoding), the ranks' forwards kept in step
+    vocabulary rows: the root is never gathered while decoding; the student built without weights, each rank
+    reading only its shards), the ranks' forwards kept in step
     though each decodes its own rows (and rank 0 has a chunk of held-out prompts more). The same sampled tokens as
     world 1, the per-step losses within 1e-5, the evaluation's accuracies exactly (its log-prob sums to 1e-4)."""
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", "dsharded") == tokens1["dsharded"]
     for rank in (0, 1):  # the vocabulary-sized root (the tied embedding) is used by its rows, never gathered whole
         seen = json.loads((tmp / "out" / f"dsharded_decoding_rank{rank}.json").read_text())
-        assert seen["forwards"] > 100 and seen["root_gathered"] == 0, (rank, seen)
+        assert seen["forwards"] > 100 and seen["root_gathered"] == 0 and seen["student_shards"], (rank, seen)
     w1, w2 = _losses(tmp / "w1_dsharded"), _losses(tmp / "w2_dsharded")
     assert len(w1) == 3 and all(gn > 0 for *_, gn in w1)
     _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)

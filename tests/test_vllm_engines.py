@@ -382,7 +382,10 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
     the one-process run, prompt by prompt; per-step losses within 1e-5 relative (measured: 7e-7 at most over 3 steps;
     the engine's log-probs differ from the trainer's by up to ~1e-5, the sampler/trainer gap), gradient norms within
     1e-4 (measured 4e-6). The same with the pipelined step (``train.max_staleness: 1``, issue 23): the thread of
-    each rank pushes whole weight versions into its engine, and world 2 equals world 1 alike."""
+    each rank pushes whole weight versions into its engine, and world 2 equals world 1 alike. And with
+    ``distributed.tp_size: 2`` (an hf teacher), one engine over the 2 tp ranks (vLLM tensor parallelism), plain and
+    pipelined: world 1's samples and losses (measured 2.4e-6 and 1.7e-6), one generate call per step on each tp rank
+    (the engine's collective one, the same rows on both), the teacher asked by the leader alone."""
     import json as _json
 
     from opdistill.runs.files import read_metrics
@@ -394,6 +397,7 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
     s1 = {**cfg, "train": {**cfg["train"], "max_staleness": 1}, "rollout": {**cfg["rollout"], "correction": "tis"}}
     # one engine over the 2 tp ranks (vLLM tensor parallelism; the trainer's lm_head vocab-parallel), hf teacher
     tp = {**cfg, "teacher": {"engine": "hf"}}
+    tp_s1 = {**s1, "teacher": {"engine": "hf"}}  # and pipelined: each tp rank's thread takes part in the generate
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}"
@@ -401,14 +405,16 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
         plan = [{"name": "vllm", "config": {**cfg, "run_dir": str(out / "run")}},
                 {"name": "s1", "config": {**s1, "run_dir": str(out / "s1")}},
                 {"name": "tp", "config": {**tp, "run_dir": str(out / "tp"),
-                                          "distributed": {"tp_size": world}}}]
+                                          "distributed": {"tp_size": world}}},
+                {"name": "tp_s1", "config": {**tp_s1, "run_dir": str(out / "tp_s1"),
+                                             "distributed": {"tp_size": world}}}]
         (out / "plan.json").write_text(_json.dumps(plan))
         launch("tests.distributed_trainer:run_plan", world, str(out))
-        for name, run in (("vllm", "run"), ("s1", "s1"), ("tp", "tp")):
+        for name, run in (("vllm", "run"), ("s1", "s1"), ("tp", "tp"), ("tp_s1", "tp_s1")):
             tokens: dict = {}
             for rank in range(world):
                 mine = _json.loads((out / f"{name}_tokens_rank{rank}.json").read_text())
-                if name == "tp" and rank > 0:  # a tp peer: the same rows as its leader, from the one joint generate
+                if name.startswith("tp") and rank > 0:  # a tp peer: its leader's rows, from the one joint generate
                     assert mine == _json.loads((out / f"{name}_tokens_rank0.json").read_text())
                     continue
                 for step, prompts in mine.items():
@@ -418,10 +424,11 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
             runs[world, name] = (tokens, [r for r in read_metrics(out / run) if "distillation/loss" in r])
     # each rollout made once per data-parallel rank: one generate call per step on each tp rank (the engine's
     # collective one, the same rows on both), the teacher asked by the leader alone
-    for rank, asked in ((0, [1, 2, 3]), (1, [])):
-        assert _json.loads((tmp_path / "w2" / f"tp_requests_rank{rank}.json").read_text()) == asked
-        assert _json.loads((tmp_path / "w2" / f"tp_generates_rank{rank}.json").read_text()) == [1, 2, 3]
-    for name in ("vllm", "s1", "tp"):
+    for name in ("tp", "tp_s1"):
+        for rank, asked in ((0, [1, 2, 3]), (1, [])):
+            assert _json.loads((tmp_path / "w2" / f"{name}_requests_rank{rank}.json").read_text()) == asked
+            assert sorted(_json.loads((tmp_path / "w2" / f"{name}_generates_rank{rank}.json").read_text())) == [1, 2, 3]
+    for name in ("vllm", "s1", "tp", "tp_s1"):
         (t1, m1), (t2, m2) = runs[1, name], runs[2, name]
         assert sorted(t1) == ["1", "2", "3"] and t2 == t1  # the same samples, prompt by prompt, at every step
         assert len(m1) == len(m2) == 3

@@ -24,12 +24,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from opdistill.fused import backbone_of
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.engines.sampler import Lockstep
-from opdistill.models import decoder_layers
+from opdistill.models import decoder_layers, load_shards
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher
 from opdistill.teachers.local import score_teacher
 
@@ -77,52 +76,10 @@ class ShardedTeacher(Teacher):
         # reshard_after_forward given explicitly: FSDP2's default keeps the root's weights gathered after forward
         fully_shard(self._root, mesh=mesh, reshard_after_forward=True)
         if any(p.is_meta for p in teacher.parameters()):  # built without weights (models.empty_model)
-            self._load_shards(teacher.config._name_or_path, mesh.device_type)
+            load_shards(teacher, teacher.config._name_or_path, device=mesh.device_type, group=group,
+                        key="model.teacher", fallback="model.teacher_sharded=false")
         self.forwards = 0  # teacher forwards run on this rank (the test checks every rank ran the same number)
         self._head = None
-
-    @torch.no_grad()
-    def _load_shards(self, folder: str, device: str) -> None:
-        """Each rank reads only its own rows of every weight from the folder's safetensors files (a slice per
-        tensor, never the whole tensor), so a rank's host memory holds its shards, not the teacher: the parameters
-        are empty shards after ``to_empty``, filled from ``get_slice`` at this rank's offsets (DTensor's chunking:
-        FSDP2's). The buffers (rotary tables), computed when the model was built, are kept. A NaN/inf weight on any
-        rank is refused on every rank."""
-        from safetensors import safe_open
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        from opdistill.errors import ModelError
-        from opdistill.models import weight_files
-
-        buffers = {name: b.clone() for name, b in self.model.named_buffers()}
-        self.model.to_empty(device=device)
-        for name, b in self.model.named_buffers():
-            b.copy_(buffers[name])
-        files = weight_files(folder)
-        handles: dict = {}
-        finite = True
-        try:
-            for name, p in self.model.named_parameters():
-                if name not in files:
-                    raise ModelError(f"model.teacher: {folder} has no tensor {name!r} to read this rank's shard "
-                                     f"from (its checkpoint names differ from the model's); set "
-                                     f"model.teacher_sharded=false to load it whole")
-                f = handles.get(files[name]) or handles.setdefault(files[name], safe_open(str(files[name]), "pt"))
-                sl = f.get_slice(name)
-                if tuple(sl.get_shape()) != tuple(p.shape):
-                    raise ModelError(f"model.teacher: {folder}: tensor {name!r} has shape {tuple(sl.get_shape())}, "
-                                     f"the model's parameter {tuple(p.shape)}")
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                local = p.to_local()
-                local.copy_(sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
-                finite = finite and (not local.is_floating_point() or bool(torch.isfinite(local).all()))
-        finally:
-            handles.clear()
-        ok = torch.tensor([float(finite)])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if not ok.item():
-            raise ModelError(f"model.teacher: a weight of {folder!r} holds NaN/inf (a corrupt or diverged model "
-                             f"folder); use an intact model folder")
 
     @property
     def head(self):

@@ -33,7 +33,7 @@ from opdistill.data import DatasetTask, PromptSource, Task, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.errors import IncompatibleModelsError
 from opdistill.fused import check_lm_head
-from opdistill.models import (check_compatible, empty_model, load_model, load_tokenizer, model_config,
+from opdistill.models import (check_compatible, empty_model, load_model, load_shards, load_tokenizer, model_config,
                               resolve_model_path, truncate_layers)
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
@@ -66,12 +66,13 @@ def build_task(cfg: TrainerConfig) -> Task:
     return make_task(cfg.data.task, **cfg.data.task_args)
 
 
-def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False):
+def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False, student_shards: bool = False):
     """(tokenizer, student, teacher or None) as the config asks (``tok``: the student's tokenizer, when already
     read); refuses incompatible pairs and NaN/inf weights before any training. The teacher is ``model.teacher``
     (None with ``teacher.url`` or ``teachers``), or the LoRA student's base for ``model.teacher: self``.
     ``teacher_shards``: the teacher is built without its weights (``model.teacher_sharded`` under torchrun: each
-    rank reads only its shards when it is sharded, ``opdistill.teachers.sharded``)."""
+    rank reads only its shards when it is sharded, ``opdistill.teachers.sharded``); ``student_shards``: the student
+    too (``distributed.decode: sharded``: :func:`_load` reads each rank's shards once FSDP2 has sharded it)."""
     mc = cfg.model
     student_path = resolve_model_path(mc.student)
     teacher = None
@@ -83,8 +84,9 @@ def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False):
         teacher.requires_grad_(False)
         t_tok = load_tokenizer(teacher_path, trust_remote_code=mc.trust_remote_code)
     tok = tok if tok is not None else load_tokenizer(student_path, trust_remote_code=mc.trust_remote_code)
-    student = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
-                         attn_implementation=mc.attn_implementation)
+    student = (empty_model if student_shards else load_model)(
+        student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+        attn_implementation=mc.attn_implementation)
     if mc.student_from_teacher_layers:
         student = truncate_layers(student, mc.student_from_teacher_layers)
     if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
@@ -325,8 +327,11 @@ def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite:
 def _load(cfg: TrainerConfig, ctx: DistContext, tok, models):
     """(student, {config key: in-process teacher model}), loaded, checked, placed and wrapped."""
     torch.manual_seed(cfg.train.seed)
+    # distributed.decode sharded (FSDP2, no replica): no rank ever holds the whole student, loading included
+    shards = models is None and ctx.enabled and ctx.strategy == "fsdp2" and ctx.decode == "sharded" and \
+        cfg.model.lora is None
     _, student, teacher = models if models is not None else load_models(
-        cfg, tok, teacher_shards=ctx.enabled and cfg.model.teacher_sharded)
+        cfg, tok, teacher_shards=ctx.enabled and cfg.model.teacher_sharded, student_shards=shards)
     given = teacher if isinstance(teacher, dict) else None
     teacher = None if isinstance(teacher, dict) else teacher
     if models is not None:  # handed in: what load_models checks, before any evaluation
@@ -337,8 +342,12 @@ def _load(cfg: TrainerConfig, ctx: DistContext, tok, models):
     if cfg.train.fused_lm_head:  # refuse a head the fused path would compute differently, before any training
         check_lm_head(student, torch.arange(min(16, student.config.vocab_size))[None])
     student, teacher = place_models(run_device(cfg), student, teacher,  # train.device: cpu | cuda:LOCAL_RANK
-                                    teacher_sharded=ctx.enabled and cfg.model.teacher_sharded)
+                                    teacher_sharded=ctx.enabled and cfg.model.teacher_sharded,
+                                    student_sharded=shards)
     student = wrap_student(ctx, student)  # FSDP2 or DDP under torchrun; unchanged in one process
+    if shards:  # each rank reads only its rows of every weight (models.load_shards)
+        load_shards(student, student.config._name_or_path, device=run_device(cfg), group=ctx.group,
+                    key="model.student", fallback="distributed.decode=replica")
     return student, ({} if teacher is None else {"model.teacher": teacher}) | named
 
 

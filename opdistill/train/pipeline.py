@@ -149,6 +149,7 @@ class Pipeline:
             self.collect.teacher = OneAtATime(teacher)
         engines = getattr(collect, "engines", None)
         self.engine = getattr(engines, "student", None)  # a vLLM student engine: versions pushed into it
+        self.joint = bool(getattr(engines, "joint", False))  # one engine over the tp ranks: every one takes part
         self._pushed: int | None = None
         self.replica = None if self.engine is not None else self.ctx.decoding_copy(student)
         self.versions = {int(v): sd for v, sd in (versions or {}).items()}
@@ -157,6 +158,7 @@ class Pipeline:
                    if v not in self.versions]
         if missing:
             raise ValueError(f"Pipeline: the checkpoint of step {start} lacks weight version(s) {sorted(missing)}")
+        self._threads = torch.get_num_threads()  # train.threads: a new thread starts from OpenMP's default
         self._ready: dict[int, object] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -165,6 +167,10 @@ class Pipeline:
 
     # -- the background thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        # the trainer's thread count here too (a vLLM CPU engine checks that its attention kernels run with the
+        # threads their metadata was planned for; its worker replaces torch.set_num_threads with a no-op, hence
+        # the call underneath)
+        torch._C.set_num_threads(self._threads)
         for t in range(self.start + 1, self.steps + 1):
             v = source_version(t, self.S)
             t0 = time.perf_counter()
@@ -177,13 +183,16 @@ class Pipeline:
             waited = time.perf_counter() - t0
             try:
                 data, metrics = None, {}  # a tp peer: its leader's batch arrives in get()
-                if self.ctx.tp_leader:
+                if self.ctx.tp_leader or self.joint:
                     if self.engine is None:
                         self.replica.load_state_dict(weights)
                     elif self._pushed != v:
                         self.engine.load_weights(weights.items())
                         self._pushed = v
-                    data, metrics = self.collect.rollouts(t, self.replica)
+                    if self.ctx.tp_leader:
+                        data, metrics = self.collect.rollouts(t, self.replica)
+                    else:  # the leader's engine spans its tp ranks: the peer takes part in its generate
+                        self.collect._generate(t, self.replica)
                 if data is not None and isinstance(data.scores, Future):  # answered while the next batch is made
                     _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited

@@ -36,14 +36,17 @@ def run_device(cfg) -> torch.device:
     return torch.device("cuda", local)
 
 
-def place_models(device: torch.device, student, teacher, *, teacher_sharded: bool = False):
+def place_models(device: torch.device, student, teacher, *, teacher_sharded: bool = False,
+                 student_sharded: bool = False):
     """(student, teacher) on ``device``. ``teacher_sharded``: leave the teacher where it loaded (``fully_shard``
     moves each of its shards to the mesh's device, one layer at a time, so the whole teacher never sits on one
-    device). A teacher of None stays None; ``model.teacher: self`` follows the student."""
+    device); ``student_sharded``: the student likewise (built without weights, its shards read on the device). A
+    teacher of None stays None; ``model.teacher: self`` follows the student."""
     if device.type == "cpu":
         return student, teacher
     torch.cuda.set_device(device)
-    student = student.to(device)
+    if not student_sharded:
+        student = student.to(device)
     if isinstance(teacher, torch.nn.Module) and not teacher_sharded:
         teacher = teacher.to(device)
     return student, teacher

@@ -174,10 +174,6 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
                           f"requests are made by its first tp rank alone, and a vLLM engine over the tp ranks needs "
                           f"every one of them in each request; serve the teacher (teacher.url) or use "
                           f"distributed.tp_size=1")
-    if cfg.rollout.engine == "vllm" and world > 1 and tp > 1 and cfg.train.max_staleness > 0:
-        raise ConfigError(f"train.max_staleness: expected 0 with rollout.engine vllm and distributed.tp_size {tp} "
-                          f"(the pipelined step makes a batch in the first tp rank's thread alone, and the engine "
-                          f"over the tp ranks needs all of them), got {cfg.train.max_staleness}")
     if engines and world > 1:
         check_engines_fit(cfg, engines)
     if engines and not vllm_available():
