@@ -193,7 +193,6 @@ def _bad_shards(rank: int, teacher_dir: str, mesh) -> dict:
     import shutil
     import tempfile
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     from opdistill.errors import ModelError
