@@ -166,7 +166,7 @@ def _assemble(c, ctx):
 
 def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
     """One engine per rank, or over a data-parallel rank's tp ranks (issue 24): refused, before any model loads,
-    with a vLLM teacher engine at tp > 1, with a tp size vLLM cannot shard the student's
+    with a vLLM teacher engine at tp > 1, with the pipelined step over the tp ranks on CUDA, with a tp size vLLM cannot shard the student's
     attention heads by, with an architecture vLLM does not implement (at any world size), and on CPU when the
     node's ranks' KV caches do not fit its memory."""
     from opdistill.train.preflight import check_engines_fit
@@ -182,9 +182,17 @@ def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
     with pytest.raises(ConfigError) as e:  # the tiny student has 2 attention heads
         _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, distributed={"tp_size": 3}, data={"prompts_per_step": 2}),
                   DistContext(rank=0, world=3))
-    assert str(e.value) == ("distributed.tp_size: rollout.engine vllm shards the student's attention heads over the 3 "
-                            "tp ranks, and its 2 attention heads do not divide by 3; use a tp_size that divides 2 "
-                            "(and 2), or the hf engines")
+    assert str(e.value) == ("distributed.tp_size: rollout.engine vllm shards the student's attention heads and MLP "
+                            "over the 3 tp ranks, and its 2 attention heads do not divide by 3; use a tp_size that "
+                            "divides 2 and 32, or the hf engines")
+    with pytest.raises(ConfigError) as e:  # the engine's NCCL collectives in the pipeline's thread: not on CUDA
+        _assemble(_cfg(tmp_path, rollout={"engine": "vllm", "correction": "tis", "tis_cap": 2.0},
+                       distributed={"tp_size": 2}, train={"max_staleness": 1, "device": "cuda"}),
+                  DistContext(rank=0, world=2))
+    assert str(e.value) == ("train.max_staleness: expected 0 with rollout.engine vllm over the tp ranks "
+                            "(distributed.tp_size 2) on CUDA: the pipeline's thread would run the engine's NCCL "
+                            "collectives while the trainer's run on another communicator, which NCCL does not order "
+                            "(tested on CPU/gloo only), got 1")
     # an architecture vLLM does not implement (here: any but GPT-2), for the rollout or the teacher engine
     monkeypatch.setattr("opdistill.engines.vllm.supported_architectures", lambda: {"GPT2LMHeadModel"})
     for over, key, model in (({"rollout": {"engine": "vllm"}}, "rollout.engine", "model.student"),

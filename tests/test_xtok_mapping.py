@@ -293,13 +293,19 @@ def test_token_bytes_reads_each_kind_and_refuses_what_cannot_map():
                             "SentencePiece-style or character-preserving tokenizer")
 
 
-def test_token_bytes_read_once_per_tokenizer_and_again_after_added_tokens():
+def test_token_bytes_read_once_per_tokenizer_content_and_again_after_added_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
     tok = bpe_tokenizer(["a b"] * 5, vocab_size=262)
     first = token_bytes(tok, "model.student's tokenizer")
-    assert token_bytes(tok, "model.teacher's tokenizer") is first  # the preflight's reading, reused by the teacher
+    tok.save_pretrained(tmp_path)
+    other = AutoTokenizer.from_pretrained(tmp_path)  # another object of the same content (the teacher's own load)
+    again = token_bytes(other, "model.teacher's tokenizer")
+    assert again.table is first.table and again.name == "model.teacher's tokenizer"  # one reading, each its name
+    assert first.name == "model.student's tokenizer"
     tok.add_tokens(["<extra>"], special_tokens=True)
-    again = token_bytes(tok)
-    assert again is not first and again.table[tok.convert_tokens_to_ids("<extra>")] == b"\xff<extra>\xff"
+    grown = token_bytes(tok)
+    assert grown.table is not first.table and grown.table[tok.convert_tokens_to_ids("<extra>")] == b"\xff<extra>\xff"
 
 
 def test_random_texts_property_total_mass_is_one():

@@ -314,7 +314,7 @@ class Lockstep:
     None: the model's own forward (the root gathered once, kept until :meth:`release`)."""
 
     def __init__(self, group, rows: "tuple | None" = None):
-        self.group, self.rows = group, rows
+        self.group, self.rows = group, rows  # group None: no other rank (only :meth:`logits` is used)
 
     def _max(self, value: int) -> int:
         import torch.distributed as dist
@@ -375,7 +375,10 @@ def _vocab_rows(model, mesh) -> "tuple | None":
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    family = any(c.__name__ in _BY_ROWS for c in type(model).__mro__)  # FSDP2 subclasses the model's class
+    # the class FSDP2 wrapped (it makes FSDP<cls>(FSDPModule, cls)): exactly transformers' own, not a subclass
+    # (a remote-code class may change the forward that turns the body's output into logits)
+    wrapped = [c for c in type(model).__bases__ if c is not FSDPModule] or [type(model)]
+    family = wrapped[0].__name__ in _BY_ROWS and wrapped[0].__module__.startswith("transformers.models.")
     if (not family or not isinstance(model, FSDPModule) or body is None
             or type(embed) is not torch.nn.Embedding or embed.max_norm is not None
             or type(head) is not torch.nn.Linear or head.bias is not None
@@ -458,6 +461,7 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     topk_ids: list[list[list[int]]] | None = [[] for _ in tokens] if want_topk else None
     lean = _lean_decoder(model) if lean_decode else None
     lock = lockstep(model)  # a sharded model: every forward in step with the other ranks
+    forward = lock if lock is not None else Lockstep(None)  # its logits: the model's own forward without a group
     starts = list(range(0, len(prompts), batch_size))
     if lock is not None:
         starts = lock.pad(starts)  # chunks another rank has: forwards in step
@@ -480,8 +484,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
             cache = DynamicCache(config=model.config)
             if forward_hook is not None:
                 forward_hook(B)
-            kw = dict(attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache}, **extra)
-            logits = model(input_ids=ids, **kw).logits[:, -1, :] if lock is None else lock.logits(model, ids, **kw)
+            logits = forward.logits(model, ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                                    **{cache_arg: cache}, **extra)
             # the n samples of a prompt share its prefill: repeat the cache rows (prompt-major order)
             rows = torch.arange(B, device=device).repeat_interleave(n)
             if n > 1:
@@ -558,10 +562,9 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
                     logits = lean.step(tok, last_pos, P + t)
                 else:
                     attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-                    kw = dict(attention_mask=attn, position_ids=last_pos[:, None], use_cache=True,
-                              **{cache_arg: cache}, **extra)
-                    logits = (model(input_ids=tok[:, None], **kw).logits[:, -1, :] if lock is None
-                              else lock.logits(model, tok[:, None], **kw))
+                    logits = forward.logits(model, tok[:, None], attention_mask=attn,
+                                            position_ids=last_pos[:, None], use_cache=True, **{cache_arg: cache},
+                                            **extra)
     finally:
         model.train(was_training)
         if lock is not None:

@@ -65,6 +65,9 @@ class VocabRows:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``[...]`` ids -> ``[..., H]``: the whole weight's rows at ``ids`` (module notes)."""
         flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.vocab_size:
+            raise IndexError(f"VocabRows.lookup: ids must be in [0, {self.vocab_size}), got "
+                             f"{int(flat.min())}..{int(flat.max())}")
         every, m = self._gather_padded(flat)  # [P, m]: padding id 0 is looked up and dropped
         owned, at = owned_local_ids(self.shard, every)
         H = self.local.shape[1]

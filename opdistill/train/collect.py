@@ -79,7 +79,7 @@ class Collector:
         else:
             data, local = None, None
             if self.engines.joint:  # the leader's vLLM engine spans its tp ranks: each takes part in its generate
-                self._generate(step, student)
+                self.generate(step, student)
         data, local = self.share(data, local)
         return data, self.reduce(local)
 
@@ -90,11 +90,12 @@ class Collector:
 
     def rollouts(self, step: int, student) -> tuple[StepData, dict]:
         """Step ``step``'s rows and scores on this rank, and its metrics before they are reduced over the ranks
-        (:meth:`reduce`): no collective runs here (unless the teacher's own), so the pipelined step's thread can
-        make them while the trainer's collectives run."""
+        (:meth:`reduce`): no collective of the trainer's runs here (a teacher's own, or a vLLM engine's over the tp
+        ranks, on their own groups), so the pipelined step's thread can make them while the trainer's collectives
+        run."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        problems, ro, old, union = self._generate(step, student)
+        problems, ro, old, union = self.generate(step, student)
         t1 = time.perf_counter()
         data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
                         sampler_logprobs=ro.sampler_logprobs if old else None,
@@ -114,9 +115,11 @@ class Collector:
         self.settle(data, local)
         return data, local
 
-    def _generate(self, step: int, student):
+    def generate(self, step: int, student):
         """(this rank's problems, their rollouts, whether they carry sampler log-probs, whether the student's top-k
-        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of prompts, its keys)."""
+        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of prompts, its keys).
+        With a vLLM engine over the tp ranks (``engines.joint``) a collective of that engine: every tp rank calls it
+        at the same point (:meth:`__call__`, or each rank's pipeline thread)."""
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]

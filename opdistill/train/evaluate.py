@@ -24,7 +24,7 @@ from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
 from opdistill.engines.rollout import generate_rollouts
-from opdistill.engines.sampler import lockstep
+from opdistill.engines.sampler import Lockstep, lockstep
 from opdistill.runs.values import EvalValues
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 
@@ -108,6 +108,7 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     step = _diagnostic_rows(student, s.input_ids.shape[1], batch_size)
     starts = list(range(0, s.num_rows, step))
     lock = lockstep(student)  # a sharded student (distributed.decode sharded): as many forwards as the other ranks
+    forward = lock if lock is not None else Lockstep(None)
     if lock is not None:
         starts = lock.pad(starts)
     for r0 in starts:
@@ -115,9 +116,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
             lock.forward(student, device=dev)
             continue
         rows = slice(r0, r0 + step)
-        ids_r, am_r = s.input_ids[rows].to(dev), s.attention_mask[rows].to(dev)
-        logits = student(input_ids=ids_r, attention_mask=am_r).logits if lock is None else \
-            lock.logits(student, ids_r, attention_mask=am_r, last=False)
+        logits = forward.logits(student, s.input_ids[rows].to(dev), attention_mask=s.attention_mask[rows].to(dev),
+                                last=False)
         res = topk_divergence(logits.float(), ids[rows].to(dev), lp[rows].to(dev), support="tail",
                               divergence="reverse")
         mr = m[rows]

@@ -192,7 +192,7 @@ class Pipeline:
                     if self.ctx.tp_leader:
                         data, metrics = self.collect.rollouts(t, self.replica)
                     else:  # the leader's engine spans its tp ranks: the peer takes part in its generate
-                        self.collect._generate(t, self.replica)
+                        self.collect.generate(t, self.replica)
                 if data is not None and isinstance(data.scores, Future):  # answered while the next batch is made
                     _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited

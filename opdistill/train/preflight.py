@@ -169,6 +169,12 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
     engines = [k for k, v in (("rollout.engine", cfg.rollout.engine), ("teacher.engine", cfg.teacher.engine))
                if v == "vllm"]
     tp = cfg.distributed.tp_size
+    if cfg.rollout.engine == "vllm" and world > 1 and tp > 1 and cfg.train.max_staleness > 0 and \
+            cfg.train.device == "cuda":
+        raise ConfigError(f"train.max_staleness: expected 0 with rollout.engine vllm over the tp ranks "
+                          f"(distributed.tp_size {tp}) on CUDA: the pipeline's thread would run the engine's NCCL "
+                          f"collectives while the trainer's run on another communicator, which NCCL does not order "
+                          f"(tested on CPU/gloo only), got {cfg.train.max_staleness}")
     if cfg.teacher.engine == "vllm" and world > 1 and tp > 1:
         raise ConfigError(f"teacher.engine: vllm with distributed.tp_size {tp}: a data-parallel rank's teacher "
                           f"requests are made by its first tp rank alone, and a vLLM engine over the tp ranks needs "
@@ -206,13 +212,16 @@ def check_vllm_tp(config, tp: int) -> None:
     else refused in one line from the model's config, before any weight is read."""
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
+    inter = getattr(config, "intermediate_size", None)
     if heads is None:
         return
-    if heads % tp or (kv % tp and tp % kv):
-        what = f"{heads} attention heads" if heads % tp else f"{kv} key/value heads"
-        raise ConfigError(f"distributed.tp_size: rollout.engine vllm shards the student's attention heads over the "
-                          f"{tp} tp ranks, and its {what} do not divide by {tp}; use a tp_size that divides "
-                          f"{heads} (and {kv}), or the hf engines")
+    what = (f"{heads} attention heads" if heads % tp else f"{kv} key/value heads" if kv % tp and tp % kv
+            else f"MLP width {inter}" if inter and inter % tp else None)
+    if what is not None:
+        sizes = " and ".join(str(n) for n in dict.fromkeys(x for x in (heads, kv, inter) if x))
+        raise ConfigError(f"distributed.tp_size: rollout.engine vllm shards the student's attention heads and MLP "
+                          f"over the {tp} tp ranks, and its {what} do not divide by {tp}; use a tp_size that "
+                          f"divides {sizes}, or the hf engines")
 
 
 def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | None = None) -> None:

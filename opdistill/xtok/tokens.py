@@ -21,10 +21,11 @@ by its content, end to end, through the same byte comparison as text.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import hashlib
 import json
 import re
-import weakref
 from dataclasses import dataclass, field
 
 from opdistill.errors import ConfigError, IncompatibleModelsError
@@ -117,29 +118,32 @@ class TokenBytes:
         return best
 
 
-_READ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (its length, its TokenBytes)
+_READ: dict[str, TokenBytes] = {}  # by content (a few entries): the preflight's reading and the teacher's share it
 
 
 def token_bytes(tokenizer, name: str = "tokenizer") -> TokenBytes:
     """The bytes each id of ``tokenizer`` writes (module notes), or TokenizerBytesError naming ``name``. Read once
-    per tokenizer object (the preflight check and the teacher that maps share it); again if tokens were added."""
-    try:
-        size, read = _READ.get(tokenizer, (None, None))
-    except TypeError:  # not weak-referenceable: read each time
-        return _read(tokenizer, name)
-    if read is None or size != len(tokenizer):
-        read = _read(tokenizer, name)
-        _READ[tokenizer] = (len(tokenizer), read)
-    return read
-
-
-def _read(tokenizer, name: str) -> TokenBytes:
+    per tokenizer content (its tokenizer.json, special tokens, end-of-sequence id and length): the preflight check
+    and the teacher that maps use one reading though each loads its own tokenizer object."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TokenizerBytesError(f"{name}: {type(tokenizer).__name__} is not a fast tokenizer, so the bytes each "
                                   f"of its tokens writes cannot be read; cross-tokenizer distillation needs a "
                                   f"tokenizer.json")
-    spec = json.loads(backend.to_str())
+    text = backend.to_str()
+    special_ids = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    key = hashlib.sha256(f"{text}\0{sorted(special_ids.items())}\0{tokenizer.eos_token_id}\0{len(tokenizer)}"
+                         .encode()).hexdigest()
+    read = _READ.get(key)
+    if read is None:
+        read = _read(tokenizer, name, json.loads(text), special_ids)
+        if len(_READ) >= 8:
+            _READ.clear()
+        _READ[key] = read
+    return read if read.name == name else dataclasses.replace(read, name=name)
+
+
+def _read(tokenizer, name: str, spec: dict, special_ids: dict) -> TokenBytes:
     decoders = _types(spec.get("decoder"))
     pre = _types(spec.get("pre_tokenizer"))
     if "ByteLevel" in decoders:
@@ -153,7 +157,6 @@ def _read(tokenizer, name: str) -> TokenBytes:
             f"{name}: cannot map its tokens to bytes (decoder {'+'.join(decoders) or 'none'}, pre-tokenizer "
             f"{'+'.join(pre) or 'none'}): cross-tokenizer distillation needs a byte-level, SentencePiece-style or "
             f"character-preserving tokenizer")
-    special_ids = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     vocab = tokenizer.get_vocab()
     size = max(max(vocab.values()) + 1, len(tokenizer))
     table: list = [None] * size
