@@ -166,9 +166,9 @@ def _assemble(c, ctx):
 
 def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
     """One engine per rank, or over a data-parallel rank's tp ranks (issue 24): refused, before any model loads,
-    with a vLLM teacher engine at tp > 1, with the pipelined step over the tp ranks on CUDA, with a tp size vLLM cannot shard the student's
-    attention heads by, with an architecture vLLM does not implement (at any world size), and on CPU when the
-    node's ranks' KV caches do not fit its memory."""
+    with a vLLM teacher engine at tp > 1, with the pipelined step over the tp ranks on CUDA, with a tp size vLLM
+    cannot shard the student's attention heads by, with an architecture vLLM does not implement (at any world
+    size), and on CPU when the node's ranks' KV caches do not fit its memory."""
     from opdistill.train.preflight import check_engines_fit
 
     with pytest.raises(ConfigError) as e:
