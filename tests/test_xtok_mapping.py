@@ -303,6 +303,8 @@ def test_token_bytes_read_once_per_tokenizer_content_and_again_after_added_token
     again = token_bytes(other, "model.teacher's tokenizer")
     assert again.table is first.table and again.name == "model.teacher's tokenizer"  # one reading, each its name
     assert first.name == "model.student's tokenizer"
+    unlike = bpe_tokenizer(["cd ef"] * 5, vocab_size=262)  # other merges, the same length: another reading
+    assert len(unlike) == len(tok) and token_bytes(unlike).table != first.table
     tok.add_tokens(["<extra>"], special_tokens=True)
     grown = token_bytes(tok)
     assert grown.table is not first.table and grown.table[tok.convert_tokens_to_ids("<extra>")] == b"\xff<extra>\xff"
