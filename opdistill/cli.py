@@ -195,6 +195,7 @@ def _eval(args, write_output):
     from opdistill.teachers import TeacherContext, build_teacher
     from opdistill.train import load_config
     from opdistill.train.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.assemble import build_context
     from opdistill.train.loop import build_task, load_models, run_eval
     from opdistill.train.preflight import check_against_models, check_model_folders
 
@@ -228,6 +229,7 @@ def _eval(args, write_output):
     task = build_task(cfg)
     check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
+    context = build_context(cfg, task, held_out, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
     models = {} if teacher is None else {"model.teacher": teacher}
     teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
                                                  resolve=resolve_model_path), train=False)
@@ -235,7 +237,7 @@ def _eval(args, write_output):
         if run_dir is not None:  # a teacher server against the run's record
             check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
         metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out,
-                           values_path=Path(args.values) if args.values else None)
+                           values_path=Path(args.values) if args.values else None, context=context)
     finally:
         teachers.close()
     report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
@@ -294,6 +296,9 @@ def _score(args):
     from opdistill.train.rundir import follow_umask
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.teacher.context is not None:
+        raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
+                          "under the student's prompts, which data.teacher_cache trains on)")
     check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

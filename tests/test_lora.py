@@ -98,6 +98,21 @@ def test_self_distillation_teacher_is_the_base_with_adapters_off(tmp_path):
     assert len(rows) == 3 and rows[0][1] == pytest.approx(0.0, abs=1e-6)  # step 1: student == base, KL 0
 
 
+def test_self_distillation_from_a_privileged_context_with_adapters_off(tmp_path):
+    """teacher.context over the LoRA base (SPEC 6.7): the base with its adapters off scores the student's response
+    under worked examples, so step 1's loss is no longer 0 (the identity context's is), and off-policy KD writes with
+    the base under that context."""
+    runs = {}
+    for name, context, method in (("ident", {}, "on_policy"), ("shots", {"examples": 2}, "on_policy"),
+                                  ("off", {"examples": 2}, "off_policy")):
+        d = _cfg(tmp_path, teacher="self", steps=2, run=name, train={"method": method})
+        d["teacher"] = {"context": context}
+        run_training(load_config(base=d), quiet=True)
+        runs[name] = _metrics(tmp_path / name)
+    assert runs["ident"][0][1] == pytest.approx(0.0, abs=1e-6)
+    assert runs["shots"][0][1] > 1e-6 and len(runs["off"]) == 2
+
+
 def test_fused_lm_head_with_a_lora_student(tmp_path):
     runs = {}
     for fused in (False, True):
@@ -120,11 +135,12 @@ def test_lora_config_errors(tmp_path):
     d["model"]["lora"]["target_modules"] = ["no_such_proj"]
     with pytest.raises(ConfigError, match=r"^model\.lora\.target_modules: Target modules .*no_such_proj.* not found"):
         load_models(load_config(base=d))
+    # without LoRA, model.teacher self is a frozen copy of the student's starting weights (not the same tensors)
     d = _cfg(tmp_path, teacher="self")
     d["model"]["lora"] = None
-    with pytest.raises(ConfigError, match=r"^model\.teacher: 'self' \(the student's base model with the LoRA adapters "
-                                          r"off\) needs model\.lora, got model\.lora null$"):
-        load_config(base=d)
+    _, student, teacher = load_models(load_config(base=d))
+    for (name, s), (_, t) in zip(student.named_parameters(), teacher.named_parameters()):
+        assert torch.equal(s, t) and s.data_ptr() != t.data_ptr() and s.requires_grad and not t.requires_grad, name
     with pytest.raises(ConfigError, match=r"^model\.lora\.r: expected an integer >= 1, got 0$"):
         load_config(base=_cfg(tmp_path), overrides=["model.lora.r=0"])
 

@@ -228,11 +228,11 @@ class DatasetTask(Task):
     def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str | None = None, *,
                  split: str = "train", subset: str | None = None, eval_path: str | None = None,
                  eval_split: str | None = None, eval_fraction: float | None = None, answer_match: str = "math",
-                 task_field: str | None = None, final_assistant: str = "refuse"):
+                 task_field: str | None = None, final_assistant: str = "refuse", hint_field: str | None = None):
         if sum(x is not None for x in (eval_path, eval_fraction)) > 1 or (eval_fraction is not None and eval_split):
             raise ConfigError("data.eval_fraction: expected one held-out source: data.eval_path (with an optional "
                               "data.eval_split), data.eval_split alone, or data.eval_fraction")
-        self.task_field, self.final_assistant = task_field, final_assistant
+        self.task_field, self.final_assistant, self.hint_field = task_field, final_assistant, hint_field
         self.where, self.rows = self._load(path, prompt_field, answer_field, split, subset, "data.path")
         self.eval_where, self.eval_rows = [], []
         if eval_path is not None or eval_split is not None:
@@ -262,7 +262,7 @@ class DatasetTask(Task):
             raise DataError(f"{path}: no rows (the file is empty)")
         columns = list(pairs[0][1])
         for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field"),
-                            (self.task_field, "routing.field")):
+                            (self.task_field, "routing.field"), (self.hint_field, "teacher.context.hint_field")):
             if field is not None and field not in columns:
                 hint = ""
                 if fkey == "data.prompt_field" and "messages" in columns:
@@ -276,7 +276,9 @@ class DatasetTask(Task):
             if self.final_assistant == "answer":  # the last turn is the reference, everything before it the prompt
                 prompt, answer = prompt[:-1], prompt[-1]["content"]
             rows.append(Problem(prompt=prompt, answer=answer, task=None if self.task_field is None else
-                                _text(w, r, self.task_field, "routing.field")))
+                                _text(w, r, self.task_field, "routing.field"),
+                                hint=None if self.hint_field is None else
+                                _text(w, r, self.hint_field, "teacher.context.hint_field")))
         return [w for w, _ in pairs], rows
 
     def sample(self, rng: random.Random) -> Problem:
@@ -289,6 +291,16 @@ class DatasetTask(Task):
         order = list(range(len(self.eval_rows)))
         random.Random(f"eval/{seed}").shuffle(order)
         return [self.eval_rows[i] for i in order[:n]]
+
+    def worked(self, problem: Problem) -> str:
+        if not self.has_answers:
+            raise ConfigError("teacher.context.examples: the dataset's rows have no answers to show as worked "
+                              "examples (set data.answer_field or data.final_assistant: answer, or give "
+                              "teacher.context.examples_path)")
+        return problem.answer
+
+    def held_out_all(self) -> list[Problem] | None:
+        return list(self.eval_rows) or None
 
     def score(self, problem: Problem, completion: str) -> float:
         if not self.has_answers:

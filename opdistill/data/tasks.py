@@ -22,7 +22,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from opdistill.errors import ConfigError
+from opdistill.errors import ConfigError, DataError
 
 __all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "ReasoningGymTask", "MixedTask", "make_task",
            "CARRY_ADD_CHARS"]
@@ -43,6 +43,7 @@ class Problem:
     solution: str | None = None
     index: int | None = None
     task: str | None = None
+    hint: str | None = None  # a field the teacher's own prompt may show (teacher.context.hint_field, SPEC 6.7)
 
 
 class Task(abc.ABC):
@@ -60,6 +61,16 @@ class Task(abc.ABC):
         """The task's own held-out problems (disjoint from the training ones), at most ``n``, in an order keyed by
         ``seed``; None when the task has no separate held-out set (PromptSource then draws from ``sample``)."""
         return None
+
+    def held_out_all(self) -> list[Problem] | None:
+        """Every problem of the task's own held-out set (what no teacher prompt may show), or None when the task
+        has none (its held-out problems are draws: the evaluated ones are known to the caller)."""
+        return None
+
+    def worked(self, problem: Problem) -> str:
+        """The response a worked example of ``problem`` shows (``teacher.context.examples``): its worked solution,
+        else its answer, written as the task's verifier reads it."""
+        return problem.solution or problem.answer
 
 
 class CarryAdditionTask(Task):
@@ -112,6 +123,9 @@ class GsmSymbolicTask(Task):
         e = self.data[rng.randrange(self.size)]
         return Problem(prompt=e["question"] + self.instruction, answer=str(e["answer"]).strip(), solution=None)
 
+    def worked(self, problem: Problem) -> str:
+        return f"The answer is {problem.answer}."
+
     def score(self, problem: Problem, completion: str) -> float:
         nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", completion)
         if not nums:
@@ -131,12 +145,13 @@ class ReasoningGymTask(Task):
     is extracted with reasoning-gym's ``extract_answer`` (None scores 0) and scored by the dataset's ``score_answer``
     (a float in [0, 1]; some tasks give partial credit). Training draws from ``size`` problems built with ``seed``;
     the held-out set is ``eval_size`` problems built with another seed, minus any whose question is also a training
-    question, so no held-out problem is trained on."""
+    question, so no held-out problem is trained on. ``hint_field``: a key of each entry's metadata that the problem
+    carries as its ``hint`` (``teacher.context.hint_field``)."""
 
     name = "reasoning_gym"
 
     def __init__(self, name: str, size: int = 1000, seed: int = 0, eval_size: int = 200, system_prompt: str | None =
-                 "default", **config):
+                 "default", hint_field: str | None = None, **config):
         import reasoning_gym
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -157,15 +172,34 @@ class ReasoningGymTask(Task):
         self.system = SYSTEM_PROMPTS[system_prompt] if system_prompt is not None else None
         train_q = {self.data[i]["question"] for i in range(size)}
         self.eval_index = [i for i in range(eval_size) if self.eval_data[i]["question"] not in train_q]
+        self.hint_field = hint_field
+        keys = list(self.data[0].get("metadata") or {})
+        if hint_field is not None and hint_field not in keys:
+            raise ConfigError(f"teacher.context.hint_field: {hint_field!r} is not a metadata key of reasoning_gym "
+                              f"{name!r} (keys: {keys})")
 
     def _problem(self, entry: dict, index: int) -> Problem:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + \
             [{"role": "user", "content": entry["question"]}]
-        return Problem(prompt=msgs, answer=str(entry["answer"]), solution=None, index=index)
+        hint = None
+        if self.hint_field is not None:
+            hint = (entry.get("metadata") or {}).get(self.hint_field)
+            if hint is None:
+                raise DataError(f"teacher.context.hint_field: reasoning_gym {self.task_name!r} problem "
+                                f"{entry['question'][:60]!r} has no metadata {self.hint_field!r}")
+            hint = str(hint)
+        return Problem(prompt=msgs, answer=str(entry["answer"]), solution=None, index=index, hint=hint)
+
+    def worked(self, problem: Problem) -> str:
+        # the answer as the system prompt asks for it (every reasoning-gym system prompt: inside <answer> tags)
+        return f"<answer>{problem.answer}</answer>" if self.system and "<answer>" in self.system else problem.answer
 
     def sample(self, rng: random.Random) -> Problem:
         i = rng.randrange(self.size)
         return self._problem(self.data[i], i)
+
+    def held_out_all(self) -> list[Problem]:
+        return [self._problem(self.eval_data[i], -1 - i) for i in self.eval_index]
 
     def held_out(self, n: int, seed: int) -> list[Problem]:
         order = list(self.eval_index)
@@ -240,6 +274,13 @@ class MixedTask(Task):
 
     def score(self, problem: Problem, completion: str) -> float:
         return self.tasks[problem.task].score(problem, completion)
+
+    def held_out_all(self) -> list[Problem] | None:
+        own = [p for t in self.tasks.values() for p in (t.held_out_all() or [])]
+        return own or None
+
+    def worked(self, problem: Problem) -> str:
+        return self.tasks[problem.task].worked(problem)
 
 
 def make_task(name: str, /, **kwargs) -> Task:

@@ -38,6 +38,20 @@ class RolloutBatch:
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
+    def with_prompts(self, prompts: list[list[int]], pad_id: int) -> "RolloutBatch":
+        """The same responses (log-probs, top-K ids and texts with them) after other prompts: row r after
+        ``prompts[prompt_index[r]]`` (the student's prompt before what a teacher wrote under its own, SPEC 6.7)."""
+        responses, lps, tops = [], [], []
+        for r in range(self.num_rows):
+            where = self.response_mask[r].nonzero().flatten()
+            start, n = (int(where[0]), where.numel()) if where.numel() else (0, 0)
+            responses.append(self.input_ids[r, start:start + n].tolist())
+            lps.append(self.sampler_logprobs[r, start - 1:start - 1 + n].tolist())
+            if self.sampler_topk is not None:
+                tops.append(self.sampler_topk[r, start - 1:start - 1 + n].tolist())
+        return make_batch([prompts[i] for i in self.prompt_index], responses, lps, self.prompt_index, self.texts,
+                          pad_id, tops if self.sampler_topk is not None else None)
+
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]] | None,
                prompt_index: list[int], texts: list[str] | None, pad_id: int,

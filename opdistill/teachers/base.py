@@ -45,15 +45,18 @@ class TeacherError(UserError, ValueError):
 @dataclass(frozen=True)
 class Rows:
     """Padded rows to score: ``input_ids``, ``attention_mask``, ``response_mask`` ``[B, S]`` (0/1 masks), ``tags``
-    (one string per row, or None): the value a routed teacher reads (a prompt's task, a dataset column), and
+    (one string per row, or None): the value a routed teacher reads (a prompt's task, a dataset column),
     ``prompts`` (each row's prompt as the data gave it, a string or chat messages, or None): what a teacher with
-    another tokenizer renders through its own chat template (opdistill/teachers/xtok.py)."""
+    another tokenizer renders through its own chat template (opdistill/teachers/xtok.py), and ``teacher_prompts``
+    (each row's teacher-side prompt x', SPEC 6.7, or None): what a privileged-context teacher scores the response
+    under (opdistill/teachers/context.py)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     tags: tuple | None = None
     prompts: tuple | None = None
+    teacher_prompts: tuple | None = None
 
     @property
     def num_rows(self) -> int:
@@ -75,9 +78,12 @@ class Rows:
     def select(self, rows: torch.Tensor) -> "Rows":
         """Rows ``rows`` (an index tensor), tags and prompts included."""
         pick = rows.tolist()
-        tags = None if self.tags is None else tuple(self.tags[i] for i in pick)
-        prompts = None if self.prompts is None else tuple(self.prompts[i] for i in pick)
-        return Rows(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], tags, prompts)
+
+        def take(values):
+            return None if values is None else tuple(values[i] for i in pick)
+
+        return Rows(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], take(self.tags),
+                    take(self.prompts), take(self.teacher_prompts))
 
     def describe(self) -> str:
         return f"{self.num_rows} rows x {self.width} positions"

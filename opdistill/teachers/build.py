@@ -20,6 +20,10 @@ config                                  training teacher                        
 otherwise                               LocalTeacher (``model.teacher``, or the LoRA base)  the same
 ======================================  ==================================================  =====================
 
+With ``teacher.context`` (privileged context, SPEC 6.7) the chosen teachers are wrapped in a ContextTeacher, which
+scores each row's response under the row's own teacher prompt (the evaluation's too, unless the context reads each
+row's answer or hint: then the evaluation has no teacher).
+
 With ``xtok.mode`` bpm or sampled (a teacher with another tokenizer, SPEC 6.6) each in-process teacher (and each
 routed member with a path) is wrapped in a CrossTokenizerTeacher reading that model's own tokenizer; the evaluation's
 always maps by byte prefix (bpm), so its teacher-KL is the same measurement in either mode.
@@ -34,6 +38,7 @@ from typing import Callable
 from opdistill.errors import ConfigError
 from opdistill.teachers.base import Teacher
 from opdistill.teachers.cache import CachedTeacher
+from opdistill.teachers.context import ContextTeacher
 from opdistill.teachers.local import LocalTeacher
 from opdistill.teachers.pool import TeacherPool
 from opdistill.teachers.remote import RemoteTeacher
@@ -218,7 +223,40 @@ def _routed(cfg, context: TeacherContext) -> RoutedTeacher:
 
 def build_teacher(cfg, context: TeacherContext, *, train: bool = True) -> Teachers:
     """The run's teachers (module docstring). ``train=False``: the evaluation's only (``opdistill eval``; the
-    training teacher is None). Closes what it opened if a later part fails."""
+    training teacher is None). Closes what it opened if a later part fails. With ``teacher.context`` each is wrapped
+    to score under the row's own teacher prompt (:func:`_with_context`)."""
+    return _with_context(cfg, _teachers(cfg, context, train=train), context)
+
+
+def _with_context(cfg, teachers: Teachers, context: TeacherContext) -> Teachers:
+    """``teacher.context`` (SPEC 6.7): the teachers wrapped in :class:`ContextTeacher` (one wrapper per teacher
+    object); a context that reads each row's answer or hint gives the evaluation no teacher (a held-out problem's
+    answer never enters a prompt)."""
+    c = cfg.teacher.context
+    if c is None:
+        return teachers
+    from opdistill.models import model_positions
+
+    wrapped: dict[int, Teacher] = {}
+
+    def wrap(t):
+        if t is None:
+            return None
+        if id(t) not in wrapped:
+            positions = t.limits.get("max_model_len") or (model_positions(t.model) if hasattr(t, "model") else None)
+            wrapped[id(t)] = ContextTeacher(t, context.tokenizer, use_chat_template=cfg.data.use_chat_template,
+                                            max_positions=positions)
+        return wrapped[id(t)]
+
+    evaluation = teachers.eval
+    if "{answer}" in c.template or "{hint}" in c.template or cfg.eval.prompts == "teacher":
+        if evaluation is not None and evaluation is not teachers.train:
+            evaluation.close()
+        evaluation = None
+    return Teachers(wrap(teachers.train), wrap(evaluation))
+
+
+def _teachers(cfg, context: TeacherContext, *, train: bool) -> Teachers:
     if cfg.teachers is not None:
         return Teachers(_routed(cfg, context) if train else None, None)
     if cfg.teacher.url is not None:

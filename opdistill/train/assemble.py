@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from opdistill import DistillationLoss, PolicyGradientLoss
-from opdistill.data import DatasetTask, PromptSource, Task, make_task
+from opdistill.data import DatasetTask, PromptSource, Task, TeacherPrompt, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
 from opdistill.errors import IncompatibleModelsError
 from opdistill.fused import check_lm_head
@@ -47,29 +47,45 @@ from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing
 from opdistill.train.optim import build_optimizer
 from opdistill.train.pipeline import Pipeline
 from opdistill.train.placement import place_models, run_device
-from opdistill.train.preflight import (ModelInfo, check_before_loading, check_finite_model, check_finite_weights,
-                                       check_loaded, check_model_folders, resolve_folder)
+from opdistill.train.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
+                                       check_finite_weights, check_loaded, check_model_folders, resolve_folder)
 from opdistill.train.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.wandb_log import open_wandb
 
-__all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "load_models", "lr_lambda", "open_teacher_cache"]
+__all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "build_context", "load_models", "lr_lambda",
+           "open_teacher_cache"]
 
 
 def build_task(cfg: TrainerConfig) -> Task:
     dc = cfg.data
+    hint = cfg.teacher.context.hint_field if cfg.teacher.context is not None else None
     if dc.task == "dataset":
         return DatasetTask(dc.path, dc.prompt_field, dc.answer_field, split=dc.split, subset=dc.subset,
                            eval_path=dc.eval_path, eval_split=dc.eval_split, eval_fraction=dc.eval_fraction,
                            answer_match=dc.answer_match, task_field=cfg.routing.field if cfg.routing else None,
-                           final_assistant=dc.final_assistant)
-    return make_task(cfg.data.task, **cfg.data.task_args)
+                           final_assistant=dc.final_assistant, hint_field=hint)
+    return make_task(cfg.data.task, **cfg.data.task_args, **({"hint_field": hint} if hint is not None else {}))
+
+
+def build_context(cfg: TrainerConfig, task: Task, held_out: list, tok) -> TeacherPrompt | None:
+    """The teacher's own prompt per problem (``teacher.context``, SPEC 6.7), or None: its examples drawn from the
+    training problems, never a held-out one (``held_out``: the evaluated problems; the task's whole held-out set is
+    added where it has one)."""
+    c = cfg.teacher.context
+    if c is None:
+        return None
+    banned = list(held_out) + (task.held_out_all() or [])
+    return TeacherPrompt(task, examples=c.examples, examples_path=c.examples_path, examples_seed=c.examples_seed,
+                         system=c.system, template=c.template, hint_field=c.hint_field, held_out=banned,
+                         chat=cfg.data.use_chat_template and bool(getattr(tok, "chat_template", None)))
 
 
 def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False, student_shards: bool = False):
     """(tokenizer, student, teacher or None) as the config asks (``tok``: the student's tokenizer, when already
     read); refuses incompatible pairs and NaN/inf weights before any training. The teacher is ``model.teacher``
-    (None with ``teacher.url`` or ``teachers``), or the LoRA student's base for ``model.teacher: self``.
+    (None with ``teacher.url`` or ``teachers``), or for ``model.teacher: self`` the student's starting weights: the
+    LoRA student's base (no copy), else a frozen copy read from the student's folder.
     ``teacher_shards``: the teacher is built without its weights (``model.teacher_sharded`` under torchrun: each
     rank reads only its shards when it is sharded, ``opdistill.teachers.sharded``); ``student_shards``: the student
     too (``distributed.decode: sharded``: :func:`_load` reads each rank's shards once FSDP2 has sharded it)."""
@@ -91,8 +107,11 @@ def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False, s
         student = truncate_layers(student, mc.student_from_teacher_layers)
     if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
         student = apply_lora(student, mc.lora)
-    if mc.teacher == SELF:
+    if mc.teacher == SELF and mc.lora is not None:
         teacher = self_teacher(student)
+    elif mc.teacher == SELF:  # the student's starting weights, frozen: one copy read from the student's folder
+        teacher = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
+                             attn_implementation=mc.attn_implementation).requires_grad_(False)
     elif teacher is not None:
         check_compatible(tok, t_tok, student, teacher, cross_tokenizer=cfg.xtok.mode != "off")
     check_finite_weights(cfg, student, teacher)  # a corrupt folder is refused before any eval, score or step
@@ -247,6 +266,7 @@ class Run:
     save: object  # save(step=, state=): an atomic, verified checkpoint
     config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
     pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/pipeline.py)
+    context: TeacherPrompt | None = None  # teacher.context: the teacher's own prompt per problem (SPEC 6.7)
 
 
 @dataclass
@@ -296,22 +316,26 @@ def _record_inputs(cfg: TrainerConfig, opened: _Opened, teachers, accept: tuple,
 
 def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
     """Every refusal the config, the process layout and the model folders' metadata decide: (tokenizer, task,
-    source, held-out problems, the teacher cache or None). Nothing is loaded yet: the cache file is checked here
-    (format, checksum, values, K, tokenizer), its teacher once the teacher is loaded."""
+    source, held-out problems, the teacher cache or None, the teacher's own prompt per problem or None). Nothing is
+    loaded yet: the cache file is checked here (format, checksum, values, K, tokenizer), its teacher once the
+    teacher is loaded."""
     tok, student_info, teacher_infos = _infos(cfg, models)
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
+    context = build_context(cfg, task, held_out, tok)
     check_before_loading(cfg, tok, student_info, teacher_infos, task, world=ctx.world, dp=ctx.dp[1],
                          held_out=len(held_out))
-    return tok, task, source, held_out, open_teacher_cache(cfg, tok)
+    if context is not None:
+        check_context(cfg, context, tok, student_info, teacher_infos, source, held_out)
+    return tok, task, source, held_out, open_teacher_cache(cfg, tok), context
 
 
 def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext()) -> dict:
     """``opdistill check`` (a dry run): every refusal :func:`assemble` makes before loading a weight (the config, the
     process layout, the model folders' metadata, the data, the teacher cache), and nothing else: no lock, no file
     written, no weight read. Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
-    tok, task, source, held_out, cache = _refuse_early(cfg, ctx, None)
+    tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, None)
     return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
 
 
@@ -362,7 +386,7 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
              quiet: bool = False, accept_changed: tuple = ()) -> Run:
     """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring). ``accept_changed``:
     the inputs whose change since the run started a resume accepts (``--accept-changed``; train/inputs.py)."""
-    tok, task, source, held_out, cache = _refuse_early(cfg, ctx, models)
+    tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, models)
     rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed))
     stack.enter_context(rd)
     student, teacher_models = _load(cfg, ctx, tok, models)
@@ -400,14 +424,15 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
         ctx.from_main(rd.check_teacher_heads, _teacher_heads(teachers.train), ckpt is not None)
     ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
-                        writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx)
+                        writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx,
+                        context=context)
     pipeline = None
     if cfg.train.max_staleness:  # last: its thread starts generating at once
         pipeline = stack.enter_context(_closing(Pipeline(
             collect, student, max_staleness=cfg.train.max_staleness, start=state.step, steps=cfg.train.steps,
             versions=Pipeline.versions_from(saved_tensors))))
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
-               teachers, collect, save, config_to_dict(cfg), pipeline)
+               teachers, collect, save, config_to_dict(cfg), pipeline, context)
 
 
 def _teacher_heads(teacher) -> dict[str, str]:

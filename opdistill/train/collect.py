@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
-from opdistill.data import PromptSource, Task, render_prompt
+from opdistill.data import PromptSource, Task, TeacherPrompt, render_prompt
 from opdistill.engines.vllm import EngineSet
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.distributed import DistContext
@@ -63,12 +63,14 @@ class Collector:
     """``collector(step, student) -> (StepData, metrics)`` for a run: ``student`` is the module to decode with
     (``DistContext.rollout_model``), ``writer`` the model that writes off-policy samples (the teacher), ``teacher``
     the training teacher (None for RL), ``engines`` the student's rollout engine, ``cache`` the rows of a teacher
-    cache (off-policy KD from ``data.teacher_cache``: no decoding)."""
+    cache (off-policy KD from ``data.teacher_cache``: no decoding), ``context`` the teacher's own prompt per problem
+    (``teacher.context``, SPEC 6.7: the teacher scores, and for off-policy KD writes, under it)."""
 
     def __init__(self, cfg, *, tok, task: Task, source: PromptSource, teacher: Teacher | None, writer=None,
-                 engines: EngineSet | None = None, cache: dict | None = None, ctx: DistContext = DistContext()):
+                 engines: EngineSet | None = None, cache: dict | None = None, ctx: DistContext = DistContext(),
+                 context: TeacherPrompt | None = None):
         self.cfg, self.tok, self.task, self.source, self.ctx = cfg, tok, task, source, ctx
-        self.teacher, self.writer, self.cache = teacher, writer, cache
+        self.teacher, self.writer, self.cache, self.context = teacher, writer, cache, context
         self.engines = engines or EngineSet()
 
     def __call__(self, step: int, student) -> tuple[StepData, dict]:
@@ -95,7 +97,7 @@ class Collector:
         run."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        problems, ro, old, union = self.generate(step, student)
+        problems, ro, old, union, x_t = self.generate(step, student)
         t1 = time.perf_counter()
         data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
                         sampler_logprobs=ro.sampler_logprobs if old else None,
@@ -103,7 +105,8 @@ class Collector:
         if self.teacher is not None:
             rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
                         tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index),
-                        prompts=tuple(problems[i].prompt for i in ro.prompt_index))
+                        prompts=tuple(problems[i].prompt for i in ro.prompt_index),
+                        teacher_prompts=None if x_t is None else tuple(x_t[i] for i in ro.prompt_index))
             self._score(data, rows, step)
         t2 = time.perf_counter()
         rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
@@ -117,23 +120,31 @@ class Collector:
 
     def generate(self, step: int, student):
         """(this rank's problems, their rollouts, whether they carry sampler log-probs, whether the student's top-k
-        ids) of step ``step``: the same on every tp rank of a data-parallel rank (its share of prompts, its keys).
-        With a vLLM engine over the tp ranks (``engines.joint``) a collective of that engine: every tp rank calls it
-        at the same point (:meth:`__call__`, or each rank's pipeline thread)."""
+        ids, each problem's teacher prompt or None) of step ``step``: the same on every tp rank of a data-parallel
+        rank (its share of prompts, its keys). With a vLLM engine over the tp ranks (``engines.joint``) a collective
+        of that engine: every tp rank calls it at the same point (:meth:`__call__`, or each rank's pipeline thread).
+        Off-policy KD with ``teacher.context``: the teacher writes under its own prompt, and the rows hold the
+        student's prompt before what it wrote (what the student is trained to answer)."""
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
         prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+        x_t = None if self.context is None else [self.context(p) for p in problems]
         torch.manual_seed(cfg.train.seed * 1_000_003 + step)
         old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
-        writer = self.writer if cfg.train.method == "off_policy" else student
+        off = cfg.train.method == "off_policy"
+        writer = self.writer if off else student
         union = self.teacher is not None and union_ids(cfg.loss)
-        ro = self.engines.generate_rollouts(writer, self.tok, prompts, n=rc.n, temperature=rc.temperature,
+        written = prompts if not (off and x_t is not None) else [
+            render_prompt(self.tok, x, use_chat_template=cfg.data.use_chat_template) for x in x_t]
+        ro = self.engines.generate_rollouts(writer, self.tok, written, n=rc.n, temperature=rc.temperature,
                                             top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
                                             min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
                                             seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old,
                                             **({"want_topk": cfg.loss.topk} if union else {}))
-        return problems, ro, old, union
+        if written is not prompts:
+            ro = ro.with_prompts(prompts, self.tok.pad_token_id)
+        return problems, ro, old, union, x_t
 
     @property
     def _xtok(self) -> bool:

@@ -29,7 +29,8 @@ from opdistill.errors import ConfigError, quote
 from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "NamedTeacher",
+           "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "ContextConfig",
+           "NamedTeacher",
            "RoutingConfig", "TrainerConfig",
            "load_config", "apply_overrides", "config_to_dict"]
 
@@ -54,7 +55,9 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     student: str = ""  # folder (or hub name) of the student; "builtin:demo-student" for the packaged demo model
-    teacher: Optional[str] = None  # folder of the teacher; None only for method "rl"; "self": the LoRA student's base
+    # folder of the teacher; None only for method "rl"; "self": the student's own starting weights (a LoRA student's
+    # base with the adapters off, no copy; else one frozen copy of the student folder): self-distillation
+    teacher: Optional[str] = None
     student_from_teacher_layers: Optional[int] = Field(None, ge=1)  # the student = the teacher's first N layers
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float16 training is refused
     trust_remote_code: bool = False
@@ -66,9 +69,6 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _self_teacher(self):
-        if self.teacher == "self" and self.lora is None:
-            raise ConfigError("model.teacher: 'self' (the student's base model with the LoRA adapters off) needs "
-                              "model.lora, got model.lora null")
         if self.teacher == "self" and self.student_from_teacher_layers is not None:
             raise ConfigError(f"model.student_from_teacher_layers: expected null with model.teacher 'self', got "
                               f"{self.student_from_teacher_layers}")
@@ -195,6 +195,9 @@ class EvalConfig(_Section):
     # percentile-bootstrap resamples over problems (0 = point estimates only)
     num_samples: int = Field(1, ge=1)
     bootstrap_resamples: int = Field(1000, ge=0)
+    # the prompts the student decodes from: student = each held-out problem's own; teacher = under teacher.context
+    # (the few-shot student: what a self-teacher scores from; no teacher metrics then)
+    prompts: Literal["student", "teacher"] = "student"
 
 
 class CheckpointConfig(_Section):
@@ -230,6 +233,29 @@ class DistributedConfig(_Section):
     decode: Literal["replica", "sharded"] = "replica"
 
 
+class ContextConfig(_Section):
+    """``teacher.context``: the teacher scores the student's response under its own prompt, built from each row
+    (privileged context, SPEC 6.7; opdistill/data/context.py, docs/self_distillation.md). All defaults: the row's
+    own prompt (the identity)."""
+
+    examples: int = Field(0, ge=0)  # worked examples before the question, drawn once from the training problems
+    examples_path: Optional[str] = None  # or every {prompt, response} row of this JSON-lines file (examples: 0)
+    examples_seed: int = Field(0, ge=0, le=SEED_MAX)  # which training problems the examples are
+    system: Optional[str] = None  # the teacher's system prompt, in place of the row's own (null: the row's)
+    template: str = "{prompt}"  # the teacher's last user turn: {prompt} (required), {answer}, {hint}
+    hint_field: Optional[str] = None  # what {hint} reads: a dataset column, a reasoning-gym metadata key
+
+    @model_validator(mode="after")
+    def _rules(self):
+        from opdistill.data.context import check_template
+
+        if self.examples_path is not None and self.examples:
+            raise ConfigError(f"teacher.context.examples: expected 0 with teacher.context.examples_path (every row "
+                              f"of the file is an example), got {self.examples}")
+        check_template(self.template, self.hint_field)
+        return self
+
+
 class TeacherConfig(_Section):
     """Where the teacher's scores come from: in process (``engine: hf``, default), a vLLM engine in process
     (``engine: vllm``; docs/engines.md), or a remote server (``url``: ``opdistill serve-teacher`` or a stock
@@ -254,6 +280,8 @@ class TeacherConfig(_Section):
     overlap: bool = True  # the url request runs in a background thread during the student's forward (same numbers)
     probe_s: float = Field(10.0, gt=0)  # a pool (url: a list): how often a down server is probed back in
     patience_s: float = Field(60.0, ge=0)  # a pool: how long a request waits while every server is down
+    # -- privileged context (SPEC 6.7, docs/self_distillation.md) --
+    context: Optional[ContextConfig] = None  # the teacher's own prompt per row; null: the student's prompt
 
     @model_validator(mode="after")
     def _url(self):
@@ -350,6 +378,20 @@ class TrainerConfig(_Section):
             # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
             need(not lc.use_policy_gradient and not lc.use_task_rewards, "loss.use_policy_gradient",
                  "false (and loss.use_task_rewards false) for method off_policy", lc.use_policy_gradient)
+        ctx = self.teacher.context
+        if ctx is not None:
+            need(method != "rl", "teacher.context", "null with train.method rl (no teacher scores)", ctx.model_dump())
+            need(self.data.teacher_cache is None, "teacher.context", "null with data.teacher_cache (the cache holds "
+                 "scores made under the student's prompts)", ctx.model_dump())
+            need(ctx.hint_field is None or self.data.task in ("dataset", "reasoning_gym"), "teacher.context.hint_field",
+                 f"null with data.task {self.data.task} (a hint is a dataset column or a reasoning-gym metadata key)",
+                 ctx.hint_field)
+        if self.eval.prompts == "teacher":
+            need(ctx is not None, "eval.prompts", "student without teacher.context (teacher: the held-out problems "
+                 "under the teacher's context)", self.eval.prompts)
+            need("{answer}" not in ctx.template and "{hint}" not in ctx.template, "eval.prompts",
+                 "student when teacher.context.template reads {answer} or {hint} (the held-out answers never enter a "
+                 "prompt)", self.eval.prompts)
         if self.teacher.url is not None:
             need(method == "on_policy", "teacher.url", "set only with train.method on_policy (off_policy samples are "
                  "written by an in-process teacher; rl has no teacher)", self.teacher.url)
@@ -520,6 +562,9 @@ class TrainerConfig(_Section):
             if t.path == "self":
                 raise ConfigError(f"teachers.{i}.path: expected a model folder, got 'self' (the LoRA self-teacher is "
                                   f"model.teacher: self, a single teacher)")
+            if t.context is not None:
+                raise ConfigError(f"teachers.{i}.context: expected null (one teacher.context serves every named "
+                                  f"teacher), got {quote(t.context.model_dump())}")
             if t.engine != "hf":
                 raise ConfigError(f"teachers.{i}.engine: expected hf (named teachers score with hf in process or over "
                                   f"their url), got {quote(t.engine)}")

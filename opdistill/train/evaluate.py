@@ -62,9 +62,10 @@ def _per_problem(values: torch.Tensor, prompt_index: list[int], num_problems: in
 def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, teacher: Teacher | None = None,
                     temperature: float = 1.0, max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True,
                     topk: int = 8, batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234,
-                    num_samples: int = 1, prompt_offset: int = 0) -> EvalValues:
+                    num_samples: int = 1, prompt_offset: int = 0, teacher_prompt=None) -> EvalValues:
     """The per-problem measurements of an evaluation (no statistics; :func:`summarize` turns them into metrics, and
-    ``opdistill.train.loop.run_eval`` composes both under data parallelism): see the module docstring."""
+    ``opdistill.train.loop.run_eval`` composes both under data parallelism): see the module docstring.
+    ``teacher_prompt``: problem -> the teacher's own prompt (``teacher.context``, SPEC 6.7), for the teacher's rows."""
     P = len(problems)
     vals = EvalValues(problems=torch.ones(P, dtype=torch.float64))
     if not problems:
@@ -89,8 +90,10 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals.tokens = _per_problem(m.sum(-1), idx, P)
     if teacher is None:
         return vals
+    x_t = None if teacher_prompt is None else [teacher_prompt(p) for p in problems]
     scores = teacher.score(Rows(s.input_ids, s.attention_mask, s.response_mask,
-                                prompts=tuple(problems[i].prompt for i in idx)),
+                                prompts=tuple(problems[i].prompt for i in idx),
+                                teacher_prompts=None if x_t is None else tuple(x_t[i] for i in idx)),
                            ScoreRequest(k=topk, sampled=True, what="evaluation"))  # any Teacher (opdistill.teachers)
     if scores.mask is not None:  # a cross-tokenizer teacher: positions without a signal (SPEC 6.6) are not measured
         m = m & scores.mask

@@ -141,7 +141,8 @@ def local_inputs(cfg, *, only: tuple[str, ...] | None = None) -> dict[str, dict]
 
 
 def _server_input(client) -> dict:
-    client = getattr(client, "inner", client)  # a cross-tokenizer teacher: the server client it wraps
+    while getattr(client, "inner", None) is not None:  # a wrapper (cross-tokenizer, context): the client it wraps
+        client = client.inner
     info = getattr(client, "info", None) or {}
     if "served" in info:  # a stock vllm serve endpoint: its served model only
         return {"kind": "vllm server", "source": client.url, "served_model": info.get("model")}

@@ -42,17 +42,23 @@ __all__ = ["RunState", "run_training", "run_eval", "build_task", "load_models"]
 
 
 def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: DistContext = DistContext(),
-             values_path: Path | None = None) -> dict:
+             values_path: Path | None = None, context=None) -> dict:
     """Evaluate on ``held_out`` (``teacher``: an ``opdistill.teachers.Teacher``, or None: no teacher metrics);
     under data parallelism each rank takes a contiguous part, sums are reduced exactly. ``values_path``: also write
-    the per-problem values there (JSON, atomic, by the main rank): what ``opdistill compare`` pairs over problems."""
+    the per-problem values there (JSON, atomic, by the main rank): what ``opdistill compare`` pairs over problems.
+    ``context``: the teacher's own prompt per problem (``teacher.context``: the teacher's rows; with ``eval.prompts:
+    teacher`` the student decodes from it too)."""
     ec = cfg.eval
+    if ec.prompts == "teacher":  # the problems as the context-teacher sees them (its own accuracy)
+        held_out = [dataclasses.replace(p, prompt=context(p)) for p in held_out]
+        teacher, context = None, None
     offset, count = ctx.split(len(held_out))
     values = gather_values(evaluate_values(
         student, tok, task, held_out[offset:offset + count], teacher=teacher, temperature=cfg.rollout.temperature,
         max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy, sampled=ec.sampled,
         topk=ec.topk, batch_size=ec.batch_size, use_chat_template=cfg.data.use_chat_template,
-        seed=cfg.data.eval_seed + 777, num_samples=ec.num_samples, prompt_offset=offset), ctx.group)
+        seed=cfg.data.eval_seed + 777, num_samples=ec.num_samples, prompt_offset=offset,
+        teacher_prompt=context), ctx.group)
     if values_path is not None and ctx.is_main:
         values_path.parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/eval: a link there is refused at open
         atomic_write_text(values_path, json.dumps(values_to_json(values)) + "\n")
@@ -99,7 +105,7 @@ def _evaluate(run: Run) -> dict:
     """The held-out evaluation at the current step (every rank: its share of the problems)."""
     return run.state.record_eval(run_eval(
         run.cfg, run.tok, run.ctx.rollout_model(run.student), run.teachers.eval, run.task, run.held_out, run.ctx,
-        values_path=run.rd.path / "eval" / f"step_{run.state.step:06d}.json"))
+        values_path=run.rd.path / "eval" / f"step_{run.state.step:06d}.json", context=run.context))
 
 
 def _save(run: Run, kept: "_Completed | None" = None) -> Path:

@@ -38,7 +38,7 @@ from opdistill.train.config import TrainerConfig
 
 __all__ = ["ModelInfo", "check_model_folders", "check_before_loading", "check_metadata", "check_finite_weights",
            "check_finite_model", "check_loaded", "check_against_models", "check_held_out", "check_routing",
-           "resolve_folder"]
+           "check_context", "resolve_folder"]
 
 
 @dataclass(frozen=True)
@@ -382,6 +382,36 @@ def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) ->
             raise ConfigError(f"eval.num_prompts: the held-out set has {held_out} problem(s), fewer than the "
                               f"{dp} data-parallel ranks; with {key} every rank evaluates at least one "
                               f"(add held-out rows, or set eval.num_prompts=0)")
+
+
+def check_context(cfg: TrainerConfig, context, tokenizer, student: ModelInfo, teachers: list[ModelInfo],
+                  source: PromptSource, held_out: list) -> None:
+    """``teacher.context``: the teacher's own prompt of the first steps' problems (and of the held-out ones where
+    the evaluation uses it), rendered through each in-process teacher's tokenizer (the student's for ``model.teacher:
+    self`` and ``eval.prompts: teacher``), must leave room for ``max_new_tokens`` within that model's positions;
+    refused in one line before any weight is read. A longer row later is refused by the teacher that meets it
+    (opdistill/teachers/context.py)."""
+    from opdistill.data import render_prompt
+
+    problems = [p for step in range(1, 5) for p in source.batch(step, cfg.data.prompts_per_step)]
+    if not context.reads_rows:
+        problems += list(held_out)
+    models = list(teachers)
+    if cfg.model.teacher == "self" or cfg.eval.prompts == "teacher":
+        models.append(student)
+    new_key, new = max((("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                        ("eval.max_new_tokens", cfg.eval.max_new_tokens or 0)), key=lambda kv: kv[1])
+    for m in models:
+        positions = model_positions(m.model)
+        tok = m.tokenizer or tokenizer
+        if not positions or not problems:
+            continue
+        longest = max(len(render_prompt(tok, context(p), use_chat_template=cfg.data.use_chat_template))
+                      for p in problems)
+        if longest + new > positions:
+            raise ConfigError(f"teacher.context: the teacher's prompt reaches {longest} tokens ({m.key}'s tokenizer), "
+                              f"and with {new} for {new_key} that is more than its {positions} positions; use fewer "
+                              f"teacher.context.examples, a shorter template or a lower {new_key}")
 
 
 def _softcap(info: ModelInfo):

@@ -1,0 +1,159 @@
+"""The teacher's own prompt per row: privileged context (SPEC 6.7, ``teacher.context``).
+
+The student answers the row's prompt x; the teacher scores the same response under x' = T(row), built here from:
+
+- **worked examples** before the row's question: ``examples`` problems drawn once from the task's training problems
+  (``Task.sample`` with a generator keyed by ``examples_seed``; never a held-out question: those are skipped), or
+  every ``{prompt, response}`` row of ``examples_path`` (a file holding a held-out question is refused). In a chat
+  prompt each example is a user turn and an assistant turn (``Task.worked``: the response an example shows); in a
+  plain-text prompt they are written one after another, each followed by a blank line;
+- a **system prompt** (``system``) that replaces the row's own;
+- a **template** of the row's last user turn: ``{prompt}`` (the row's question, required), ``{answer}`` (its
+  reference answer) and ``{hint}`` (its ``hint_field``: a dataset column, a reasoning-gym metadata key).
+
+A row whose own question is one of the examples gets the spare example drawn in its place, so no teacher prompt
+shows the answer of the question it scores (unless the template asks for it). With no examples, no system prompt
+and the template ``{prompt}``, x' = x (the identity: every loss equals the plain run's). The held-out split never
+enters x': examples are training problems, and the evaluation gives a context that reads ``{answer}`` or ``{hint}``
+no held-out row (``reads_rows``: opdistill/train reports no teacher metrics then).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+from opdistill.data.prompts import prompt_text
+from opdistill.data.tasks import Problem, Task
+from opdistill.errors import ConfigError, DataError
+
+__all__ = ["TeacherPrompt", "PLACEHOLDERS", "question_of", "check_template"]
+
+PLACEHOLDERS = ("prompt", "answer", "hint")
+_DRAWS = 100  # draws per example asked before a task is declared too small for the examples
+
+
+def question_of(prompt) -> str:
+    """The question of a prompt: the string itself, or a chat prompt's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return users[-1] if users else prompt_text(prompt)
+
+
+def check_template(template: str, hint_field: str | None, key: str = "teacher.context.template") -> None:
+    """A ConfigError unless ``template`` names ``{prompt}`` and only the known placeholders, ``{hint}`` exactly when
+    ``hint_field`` is set."""
+    names = set(re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", template))
+    unknown = sorted(names - set(PLACEHOLDERS))
+    if unknown:
+        raise ConfigError(f"{key}: unknown placeholder {{{unknown[0]}}} (known: "
+                          f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}), got {template!r}")
+    if "prompt" not in names:
+        raise ConfigError(f"{key}: expected the row's question as {{prompt}} (the teacher scores the response to "
+                          f"it), got {template!r}")
+    if ("hint" in names) != (hint_field is not None):
+        raise ConfigError("teacher.context.hint_field: " + (
+            f"expected the field {{hint}} reads (a dataset column or a reasoning-gym metadata key), got null"
+            if "hint" in names else f"set, but teacher.context.template has no {{hint}} to put it in, got "
+                                    f"{hint_field!r}"))
+
+
+class TeacherPrompt:
+    """``T(problem) -> x'`` (module notes): a chat prompt (a list of messages) when the row's prompt is one or
+    ``chat`` (the prompt goes through a chat template), else a string. Built once per run; the examples are drawn at
+    construction (``held_out``: the problems whose questions no example may be)."""
+
+    def __init__(self, task: Task, *, examples: int = 0, examples_path: str | None = None, examples_seed: int = 0,
+                 system: str | None = None, template: str = "{prompt}", hint_field: str | None = None,
+                 held_out: list[Problem] = (), chat: bool = True):
+        check_template(template, hint_field)
+        self.task, self.system, self.template, self.chat = task, system, template, chat
+        self.reads_rows = bool(re.search(r"\{(answer|hint)\}", template))  # the row's own answer or hint
+        banned = {question_of(p.prompt) for p in held_out}
+        if examples_path is not None:
+            self.examples = _read_examples(examples_path, banned)
+            self.spare = None
+        else:
+            drawn = _draw(task, examples + 1, examples_seed, banned) if examples else []
+            self.examples, self.spare = drawn[:examples], (drawn[examples] if examples else None)
+        self.identity = not self.examples and system is None and template == "{prompt}"
+
+    def __call__(self, problem: Problem):
+        question = question_of(problem.prompt)
+        examples = self.examples
+        if self.spare is not None and any(q == question for q, _ in examples):
+            examples = [e if e[0] != question else self.spare for e in examples]
+        user = self._fill(question, problem)
+        if isinstance(problem.prompt, str) and not self.chat:
+            head = (self.system + "\n\n") if self.system else ""
+            return head + "".join(f"{q}{r}\n\n" for q, r in examples) + user
+        msgs = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else \
+            [dict(m) for m in problem.prompt]
+        system = [m for m in msgs if m["role"] == "system"]
+        if self.system is not None:
+            system = [{"role": "system", "content": self.system}]
+        rest = [m for m in msgs if m["role"] != "system"]
+        last = max(i for i, m in enumerate(rest) if m["role"] == "user") if any(
+            m["role"] == "user" for m in rest) else len(rest) - 1
+        rest[last] = {"role": rest[last]["role"], "content": user}
+        shots = [m for q, r in examples for m in ({"role": "user", "content": q}, {"role": "assistant", "content": r})]
+        return system + shots + rest
+
+    def _fill(self, question: str, problem: Problem) -> str:
+        values = {"prompt": question, "answer": problem.answer}
+        if "{hint}" in self.template:
+            if problem.hint is None:
+                raise DataError(f"teacher.context.hint_field: a row of task {self.task.name} carries no hint "
+                                f"(question {question[:60]!r})")
+            values["hint"] = problem.hint
+        # one pass over the template: a value holding "{answer}" is not filled again
+        return re.sub(r"\{(prompt|answer|hint)\}", lambda m: str(values[m.group(1)]), self.template)
+
+
+def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, str]]:
+    """``n`` distinct (question, worked response) pairs of the task's training problems, none of them held out."""
+    rng = random.Random(f"context/{seed}")
+    out, seen = [], set()
+    for _ in range(_DRAWS * n):
+        p = task.sample(rng)
+        q = question_of(p.prompt)
+        if q in seen or q in banned:
+            continue
+        seen.add(q)
+        out.append((q, task.worked(p)))
+        if len(out) == n:
+            return out
+    raise ConfigError(f"teacher.context.examples: task {task.name} gave {len(out)} distinct training questions "
+                      f"outside the held-out set in {_DRAWS * n} draws, fewer than the {n} needed ({n - 1} examples "
+                      f"+ 1 spare); ask for fewer examples or give teacher.context.examples_path")
+
+
+def _read_examples(path: str, banned: set) -> list[tuple[str, str]]:
+    """The ``{prompt, response}`` rows of a JSON-lines file; one naming a held-out question is refused."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"teacher.context.examples_path: cannot read {path!r} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
+                                                for k in ("prompt", "response")):
+            raise DataError(f"{path}:{n}: expected an object with non-empty string fields 'prompt' and 'response' "
+                            f"(a worked example for teacher.context), got {line[:80]!r}")
+        if row["prompt"] in banned:
+            raise DataError(f"{path}:{n}: this example's prompt is a held-out problem ({row['prompt'][:60]!r}); the "
+                            f"held-out split never enters the teacher's prompt: remove it")
+        out.append((row["prompt"], row["response"]))
+    if not out:
+        raise DataError(f"{path}: no examples (teacher.context.examples_path holds no rows)")
+    return out
