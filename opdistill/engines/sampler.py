@@ -362,12 +362,15 @@ class Lockstep:
             model.reshard()
 
 
-_BY_ROWS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")  # logits = lm_head(h)
+# logits = lm_head(body(embedding(ids))), the embedding plain or (Gemma 3's) scaled by a constant
+_BY_ROWS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+_SCALED_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding",)  # embedding(ids) * embed_scale (a buffer), nothing else
 
 
 def _vocab_rows(model, mesh) -> "tuple | None":
     """(body, input embedding rows, lm_head rows) for :class:`Lockstep` when ``model`` is an FSDP2 causal LM of a
-    family whose logits are ``lm_head(body(...))`` (_BY_ROWS) and whose root unit holds only its input embedding
+    family whose logits are ``lm_head(body(...))`` (_BY_ROWS; its embedding plain, or scaled by a constant as
+    Gemma 3's: the rows looked up are multiplied by it) and whose root unit holds only its input embedding
     and lm_head (``fully_shard`` on every other module that holds parameters: opdistill/train/distributed.py), both
     sharded on their vocabulary rows; else None."""
     from torch.distributed.fsdp import FSDPModule
@@ -379,8 +382,9 @@ def _vocab_rows(model, mesh) -> "tuple | None":
     # (a remote-code class may change the forward that turns the body's output into logits)
     wrapped = [c for c in type(model).__bases__ if c is not FSDPModule] or [type(model)]
     family = wrapped[0].__name__ in _BY_ROWS and wrapped[0].__module__.startswith("transformers.models.")
+    scaled = type(embed).__name__ in _SCALED_EMBEDDINGS and type(embed).__module__.startswith("transformers.models.")
     if (not family or not isinstance(model, FSDPModule) or body is None
-            or type(embed) is not torch.nn.Embedding or embed.max_norm is not None
+            or not (type(embed) is torch.nn.Embedding or scaled) or embed.max_norm is not None
             or type(head) is not torch.nn.Linear or head.bias is not None
             or any(getattr(model.config, k, None) not in (None, 1.0)
                    for k in ("logit_scale", "final_logit_softcapping"))):
@@ -402,8 +406,8 @@ def _vocab_rows(model, mesh) -> "tuple | None":
     # initialized now (a private call: torch has no public one)
     model._get_fsdp_state()._lazy_init()
     group = mesh.get_group()
-    rows = VocabRows(embed.weight.to_local(), group)
-    return body, rows, rows if head.weight is embed.weight else VocabRows(head.weight.to_local(), group)
+    rows = VocabRows(embed.weight.to_local(), group, scale=embed.embed_scale if scaled else None)
+    return body, rows, rows if head.weight is embed.weight and not scaled else VocabRows(head.weight.to_local(), group)
 
 
 def lockstep(model) -> "Lockstep | None":

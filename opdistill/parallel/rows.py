@@ -1,4 +1,5 @@
-"""An embedding or lm_head weight ``[V, H]`` held by vocabulary rows over a group, used without gathering it.
+"""An embedding or lm_head weight ``[V, H]`` held by vocabulary rows over a group, used without gathering it (a
+scaled embedding's multiplier applied to the rows it looks up, as Gemma's forward does).
 
 FSDP2 shards a parameter on dim 0 (``Shard(0)``, ``torch.chunk`` widths: rank r holds rows ``[r c, r c + c)``,
 c = ceil(V / P), the last ranks fewer, possibly none). For an input embedding or an lm_head those rows are
@@ -34,10 +35,10 @@ class VocabRows:
     one all-gather of them here, so build it at the same point on every rank). Every rank of the group must make
     the same calls in the same order, each with its own inputs (module notes)."""
 
-    def __init__(self, local: torch.Tensor, group):
+    def __init__(self, local: torch.Tensor, group, *, scale: torch.Tensor | None = None):
         if local.dim() != 2:
             raise ValueError(f"VocabRows: expected this rank's rows of a [V, H] weight, got shape {tuple(local.shape)}")
-        self.group = group
+        self.group, self.scale = group, scale  # scale: what a scaled embedding multiplies its rows by (Gemma's)
         self.widths = self._gather_counts(local.shape[0])
         size, rank = len(self.widths), dist.get_rank(group)
         self.local = local
@@ -77,7 +78,9 @@ class VocabRows:
             mine = torch.where(owned[..., None], F.embedding(at, self.local), 0.0)
         out = self.local.new_empty(m, H)
         dist.reduce_scatter_tensor(out, mine.reshape(-1, H), op=dist.ReduceOp.SUM, group=self.group)
-        return out[: flat.shape[0]].view(*ids.shape, H)
+        out = out[: flat.shape[0]].view(*ids.shape, H)
+        # a scaled embedding (Gemma: sqrt(H)) multiplies the looked-up rows, in the weight's dtype as its forward does
+        return out if self.scale is None else out * self.scale.to(self.local.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., V]``: ``hidden @ W^T`` of the whole weight (module notes)."""
