@@ -77,6 +77,17 @@ def supported_architectures() -> set[str]:
     return set(ModelRegistry.get_supported_archs())
 
 
+def cpu_head_sizes() -> list[int] | None:
+    """The attention head sizes vLLM's CPU backend has kernels for (imports vllm), None where this vllm does not
+    say."""
+    _import_vllm()
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
 def _import_vllm():
     if not vllm_available():
         raise EngineError(f"rollout.engine / teacher.engine vllm: the vllm package is not installed; {INSTALL_HINT}")

@@ -206,6 +206,21 @@ def check_vllm_architecture(config, engine_key: str, model_key: str) -> None:
                           f"config.json); use the hf engines for it")
 
 
+def check_vllm_head_size(config, engine_key: str, model_key: str) -> None:
+    """On CPU, a model whose attention head size vLLM's CPU backend has no kernel for is refused in one line before
+    any weight is read (vLLM would fail at its first forward, after the trainer loaded the models)."""
+    from opdistill.engines.vllm import cpu_head_sizes
+
+    c = getattr(config, "config", config)  # a loaded model's, or the config itself
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    heads = getattr(c, "num_attention_heads", None)
+    size = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+    supported = cpu_head_sizes()
+    if size is not None and supported and size not in supported:
+        raise ConfigError(f"{engine_key}: vllm on CPU has no attention kernel for {model_key}'s head size {size} "
+                          f"(it has {supported}); use the hf engines for it")
+
+
 def check_vllm_tp(config, tp: int) -> None:
     """A vLLM student engine over the ``tp`` ranks of a data-parallel rank shards the attention heads over them:
     the heads must divide by tp, and the key/value heads divide by tp or tp by them (vLLM replicates them then);
@@ -282,12 +297,17 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
     if tp > 1 and world > 1 and vocab < tp:
         raise ConfigError(f"distributed.tp_size={tp}: larger than the student's vocabulary ({vocab}); set "
                           f"distributed.tp_size to a divisor of the world size of at most {vocab}")
+    cpu = cfg.train.device == "cpu"
     if cfg.rollout.engine == "vllm":
         check_vllm_architecture(student.model, "rollout.engine", "model.student")
+        if cpu:
+            check_vllm_head_size(student.model, "rollout.engine", "model.student")
     if cfg.teacher.engine == "vllm":
         for t in teachers:
             if t.key == "model.teacher":
                 check_vllm_architecture(t.model, "teacher.engine", t.key)
+                if cpu:
+                    check_vllm_head_size(t.model, "teacher.engine", t.key)
     if tp > 1 and world > 1 and cfg.rollout.engine == "vllm":
         check_vllm_tp(student.model, tp)
     check_metadata(cfg, tokenizer, student, teachers, task)
