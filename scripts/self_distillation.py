@@ -1,0 +1,154 @@
+"""Issue 33's learning experiment (a): SmolLM2-135M-Instruct self-distilled from its own few-shot context, against
+its baselines, on reasoning-gym tasks with their own strict verifiers.
+
+    python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar   # ~2 h on 2 cores
+    python scripts/self_distillation.py --task addition --out runs/self_distill_addition
+    python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar --report
+
+From configs/smollm2_self_distill.yaml (the student: SmolLM2-135M-Instruct, full fine-tuning; the context-teacher:
+its own frozen starting weights with five worked examples of the task before the question), for each seed:
+
+- ``opd``: on-policy self-distillation: the student samples, the context-teacher scores its tokens (top-32, tail
+  forward KL);
+- ``offpolicy``: the same loss on the context-teacher's own samples (it writes under its context; the student is
+  trained to write them after the plain question): SFT on the teacher's samples with its distribution as soft
+  labels;
+- ``grpo``: RL from the task's 0/1 verifier (GRPO, 4 samples per prompt, no teacher);
+
+and, evaluated once: the untrained student (``base``) and the untrained student decoding under the context
+(``teacher``, ``eval.prompts: teacher``: the context-teacher's own accuracy). Every run evaluates the same held-out
+problems (greedy and one sample each) at steps 8, 16 and 24; every change is paired over problems with its 95%
+bootstrap interval (``opdistill compare --baseline``), and the share of the teacher's lead the student closes
+carries its paired interval (``opdistill.runs.stats.paired_lift_ratio``). The runs go in two lanes (one torch thread
+each): the comparison at equal steps does not depend on it; each method's CPU seconds per step are measured apart
+(``--step-times``: one lane, each method's 3-step run three times, interleaved) for the equal-time reading.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CONFIG = "configs/smollm2_self_distill.yaml"
+TASKS = {
+    "calendar": "{name: calendar_arithmetic, size: 1000, seed: 0, eval_size: 400}",
+    "addition": "{name: basic_arithmetic, size: 2000, seed: 0, eval_size: 400, min_terms: 2, max_terms: 2, "
+                "min_digits: 1, max_digits: 2, operators: ['+'], allow_parentheses: false, allow_negation: false}",
+}
+STEPS, EVERY, PROBLEMS = 24, 8, 150
+COMMON = [f"train.steps={STEPS}", f"eval.every={EVERY}", f"eval.num_prompts={PROBLEMS}", "eval.at_start=false",
+          "log.progress=false", "checkpoint.save_final=false", "train.threads=1"]
+METHODS = {
+    "opd": [],
+    "offpolicy": ["train.method=off_policy"],
+    "grpo": ["train.method=rl", "model.teacher=null", "teacher.context=null", "rollout.n=4",
+             "data.prompts_per_step=4"],
+}
+SEEDS = (0, 1)
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    print(f"  {log.stem}: {'done' if rc == 0 else f'FAILED (exit {rc}, see {log})'} in {time.time() - t0:.0f} s",
+          flush=True)
+    if rc:
+        raise SystemExit(rc)
+
+
+def _task(task: str) -> list[str]:
+    return [f"data.task_args={TASKS[task]}"]
+
+
+def run_all(task: str, out: Path, lanes: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    opd = [sys.executable, "-m", "opdistill"]
+    evals = [opd + ["eval", "--config", CONFIG, *_task(task), f"eval.num_prompts={PROBLEMS}", "train.threads=1",
+                    *extra, "--values", str(out / f"{name}.values.json")]
+             for name, extra in (("base", []), ("teacher", ["eval.prompts=teacher"]))]
+    jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *COMMON, f"run_dir={out / f'{m}-seed{s}'}",
+                                    f"train.seed={s}", *args])
+            for s in SEEDS for m, args in METHODS.items()]
+    print(f"{task}: 2 evaluations and {len(jobs)} runs of {STEPS} steps in {lanes} lanes -> {out}", flush=True)
+    with ThreadPoolExecutor(max_workers=lanes) as pool:
+        list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"),
+                      [(n, cmd) for n, cmd in zip(("base", "teacher"), evals)] + jobs))
+
+
+def step_times(task: str, out: Path, repeats: int = 3) -> dict:
+    """Each method's seconds per training step: 3-step runs, one at a time (one process, train.threads 1), the
+    methods interleaved, ``repeats`` times; the median of each method's per-step times (steps 2-3: step 1 warms)."""
+    opd = [sys.executable, "-m", "opdistill"]
+    times: dict = {m: [] for m in METHODS}
+    for r in range(repeats):
+        for m, args in METHODS.items():
+            run = out / "step_times" / f"{m}-{r}"
+            _run(opd + ["train", "--config", CONFIG, *_task(task), "train.steps=3", "eval.num_prompts=0",
+                        "log.progress=false", "checkpoint.save_final=false", "train.threads=1", f"run_dir={run}",
+                        "--overwrite", *args], out / "step_times" / f"{m}-{r}.log")
+            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            times[m] += [row["time/step_s"] for row in rows if "time/step_s" in row][1:]
+    result = {m: statistics.median(v) for m, v in times.items()}
+    (out / "step_times.json").write_text(json.dumps({"median_s": result, "all_s": times}, indent=1) + "\n")
+    return result
+
+
+def _values(path: Path) -> tuple:
+    v = json.loads(path.read_text())
+    return v["greedy_correct"], v["problems"], v.get("sampled_correct"), v.get("samples")
+
+
+def report(task: str, out: Path) -> None:
+    from opdistill.runs.stats import paired_difference, paired_lift_ratio
+
+    base, teacher = _values(out / "base.values.json"), _values(out / "teacher.values.json")
+
+    def acc(v, sampled=False):
+        num, den = (v[2], v[3]) if sampled else (v[0], v[1])
+        return sum(num) / sum(den)
+
+    times = json.loads((out / "step_times.json").read_text())["median_s"] if (out / "step_times.json").exists() \
+        else {}
+    print(f"### {task}: held-out greedy accuracy ({len(base[0])} problems; sampled in parentheses)\n")
+    print(f"untrained student {acc(base):.3f} ({acc(base, True):.3f}); the same under the context (the "
+          f"context-teacher) {acc(teacher):.3f} ({acc(teacher, True):.3f})\n")
+    print("| method | step | seed 0 | seed 1 | mean | change from the untrained student [95%] | share of the "
+          "teacher's lead closed [95%] | CPU s / step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in METHODS:
+        for step in range(EVERY, STEPS + 1, EVERY):
+            runs = [_values(out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json") for s in SEEDS]
+            accs = [acc(v) for v in runs]
+            diff = paired_difference([r[:2] for r in runs], [base[:2]])
+            share = paired_lift_ratio(base[:2], [r[:2] for r in runs], [teacher[:2]])
+            t = f"{times[m]:.1f}" if m in times else ""
+            print(f"| {m} | {step} | {accs[0]:.3f} | {accs[1]:.3f} | {sum(accs) / len(accs):.3f} | "
+                  f"{diff.value:+.3f} [{diff.lo:+.3f}, {diff.hi:+.3f}] | {share.value:.2f} [{share.lo:.2f}, "
+                  f"{share.hi:.2f}] | {t} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(TASKS), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="only print the table from existing runs")
+    ap.add_argument("--step-times", action="store_true", help="only measure each method's seconds per step")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.step_times:
+        print(step_times(args.task, out))
+        return
+    if not args.report:
+        run_all(args.task, out, args.lanes)
+    report(args.task, out)
+
+
+if __name__ == "__main__":
+    main()
