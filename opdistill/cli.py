@@ -229,7 +229,13 @@ def _eval(args, write_output):
     task = build_task(cfg)
     check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
     held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
-    context = build_context(cfg, task, held_out, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
+    context = build_context(cfg, task, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
+    if context is not None:
+        from opdistill.train.preflight import ModelInfo, check_context
+
+        check_context(cfg, context, tok, ModelInfo("model.student", None, student, tok),
+                      [] if teacher is None else [ModelInfo("model.teacher", None, teacher)],
+                      PromptSource(task, cfg.train.seed, cfg.data.eval_seed), held_out)
     models = {} if teacher is None else {"model.teacher": teacher}
     teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
                                                  resolve=resolve_model_path), train=False)

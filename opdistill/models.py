@@ -486,10 +486,15 @@ def _gemma3_gguf(work: Path) -> Path:
 # teacher needs, opdistill/xtok).
 GEMMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
-    "{% for m in messages if m['role'] != 'system' %}"
+    "{% set first = 1 if messages and messages[0]['role'] == 'system' else 0 %}"
+    "{% set system = messages[0]['content'] + '\n\n' if first else '' %}"
+    "{% for m in messages[first:] %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('Gemma takes one system message, the first') }}{% endif %}"
+    "{% if loop.first and first and m['role'] != 'user' %}"
+    "{{ raise_exception('Gemma writes the system message into the first user turn: a user turn must follow it') }}"
+    "{% endif %}"
     "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
-    "{{ (system if loop.first and m['role'] == 'user' else '') + m['content'] + '<end_of_turn>\n' }}"
+    "{{ (system if loop.first else '') + m['content'] + '<end_of_turn>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )

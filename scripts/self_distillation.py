@@ -42,7 +42,7 @@ TASKS = {
 }
 STEPS, EVERY, PROBLEMS = 24, 8, 150
 COMMON = [f"train.steps={STEPS}", f"eval.every={EVERY}", f"eval.num_prompts={PROBLEMS}", "eval.at_start=false",
-          "log.progress=false", "checkpoint.save_final=false", "train.threads=1"]
+          "log.progress=false", "checkpoint.save_final=true", "checkpoint.keep_last=1", "train.threads=1"]
 METHODS = {
     "opd": [],
     "offpolicy": ["train.method=off_policy"],
@@ -133,6 +133,55 @@ def report(task: str, out: Path) -> None:
                   f"{share.hi:.2f}] | {t} |")
 
 
+def diagnose(task: str, out: Path) -> dict:
+    """What the students learned, read off their greedy answers to the held-out problems: the share that gives an
+    answer in the verifier's format (``<answer>...</answer>``), the accuracy among those, and the most common
+    answers against the best constant answer's accuracy (a student that learned one answer would match it). For the
+    untrained student, the context-teacher (the untrained student under the context) and each run's final weights."""
+    from collections import Counter
+
+    import torch
+    from reasoning_gym.utils import extract_answer
+
+    from opdistill.data import PromptSource, render_prompt
+    from opdistill.engines.rollout import generate_rollouts
+    from opdistill.train import load_config
+    from opdistill.train.assemble import build_context, build_task
+    from opdistill.train.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.loop import load_models
+
+    torch.set_num_threads(2)
+    cfg = load_config(CONFIG, _task(task) + [f"eval.num_prompts={PROBLEMS}"])
+    tok, student, _ = load_models(cfg.model_copy(update={"model": cfg.model.model_copy(update={"teacher": None})}))
+    task_ = build_task(cfg)
+    held = PromptSource(task_, cfg.train.seed, cfg.data.eval_seed).held_out(PROBLEMS)
+    context = build_context(cfg, task_, tok)
+    best = Counter(p.answer for p in held).most_common(1)[0]
+    initial = {k: v.clone() for k, v in student.state_dict().items()}
+    targets = [("base", None, False), ("teacher", None, True)] + [
+        (f"{m}-seed{s}", out / f"{m}-seed{s}", False) for m in METHODS for s in SEEDS]
+    result = {"constant": {"answer": best[0], "acc": best[1] / len(held)}}
+    for name, run, under_context in targets:
+        student.load_state_dict(initial)
+        if run is not None:
+            if not (run / "checkpoints").is_dir():
+                continue
+            load_weights(resume_checkpoint(run), student)
+        prompts = [render_prompt(tok, context(p) if under_context else p.prompt) for p in held]
+        g = generate_rollouts(student, tok, prompts, greedy=True, max_new_tokens=cfg.rollout.max_new_tokens,
+                              batch_size=50, want_logprobs=False)
+        answers = [extract_answer(t) for t in g.texts]
+        scores = [task_.score(p, t) for p, t in zip(held, g.texts)]
+        formatted = [s for a, s in zip(answers, scores) if a is not None]
+        result[name] = {"acc": sum(scores) / len(held), "format": len(formatted) / len(held),
+                        "acc_formatted": sum(formatted) / max(1, len(formatted)),
+                        "top_answers": Counter(a for a in answers if a is not None).most_common(3),
+                        "mean_tokens": float(g.response_mask.sum(-1).float().mean())}
+        print(name, result[name], flush=True)
+    (out / "diagnose.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), required=True)
@@ -140,8 +189,12 @@ def main():
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="only print the table from existing runs")
     ap.add_argument("--step-times", action="store_true", help="only measure each method's seconds per step")
+    ap.add_argument("--diagnose", action="store_true", help="only read what the students learned off their answers")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.diagnose:
+        diagnose(args.task, out)
+        return
     if args.step_times:
         print(step_times(args.task, out))
         return

@@ -42,7 +42,7 @@ def test_identity_context_is_the_rows_own_prompt():
     task = CarryAdditionTask(1, 2)
     tp = TeacherPrompt(task)
     p = task.sample(random.Random(0))
-    assert tp.identity and tp(p) == [{"role": "user", "content": p.prompt}]
+    assert tp(p) == [{"role": "user", "content": p.prompt}]
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+3="}]
     assert tp(Problem(chat, "15")) == chat
     assert TeacherPrompt(task, chat=False)(p) == p.prompt
@@ -108,8 +108,21 @@ def test_reasoning_gym_examples_come_from_the_training_split(tmp_path):
     with pytest.raises(DataError, match=rf"^{path}:2: this example's prompt is a held-out problem "):
         TeacherPrompt(task, examples_path=str(path), held_out=task.held_out_all())
     path.write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n")
-    with pytest.raises(DataError, match=rf"^{path}:1: expected an object with non-empty string fields 'prompt' and "):
+    with pytest.raises(DataError, match=rf"^{path}:1: expected non-empty string fields 'prompt' and 'response' "):
         TeacherPrompt(task, examples_path=str(path))
+    path.write_text('[' * 100_000 + "\n")  # nested past the parser's recursion: one line, not a traceback
+    with pytest.raises(DataError, match=rf"^{path}:1: not valid JSON"):
+        TeacherPrompt(task, examples_path=str(path))
+
+
+def test_an_example_from_a_file_that_is_the_rows_own_question_is_left_out(tmp_path):
+    path = tmp_path / "shots.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "response": r}) + "\n"
+                            for q, r in (("1+1=", "2"), ("2+2=", "4"), ("3+3=", "6"))))
+    tp = TeacherPrompt(CarryAdditionTask(1, 1), examples_path=str(path))
+    shown = [m["content"] for m in tp(Problem("2+2=", "4"))]
+    assert shown == ["1+1=", "2", "3+3=", "6", "2+2="]  # no "2+2=" / "4" turn before the question
+    assert len(tp(Problem("5+5=", "10"))) == 7
 
 
 @pytest.mark.parametrize("template, hint, message", [

@@ -157,27 +157,27 @@ def _heldout_dataset(tmp: Path) -> tuple[Path, list]:
 
 
 def test_no_held_out_answer_enters_a_teacher_prompt(tmp, monkeypatch):
-    """A dataset with a held-out share, worked examples and the row's answer and hint in the teacher's prompt: no
-    training row's teacher prompt shows a held-out question, and the evaluation has no teacher (it would read the
-    held-out answers): accuracy is measured, teacher metrics are not."""
-    path, _ = _heldout_dataset(tmp)
+    """A dataset whose held-out file (data.eval_path) shares rows with the training file (warned), worked examples
+    drawn from the training rows and the row's hint in the teacher's prompt: the shared rows are drawable training
+    questions, yet no teacher prompt shows a held-out question as an example, and the evaluation has no teacher (it
+    would read the held-out hints): accuracy is measured, teacher metrics are not."""
+    path, rows = _heldout_dataset(tmp)
+    held_path = tmp / "held.jsonl"
+    held_path.write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))  # half the training rows, held out too
     seen = _spy_collector(monkeypatch)
     base = tiny_config_dict(tmp, steps=2, checkpoint={"every": 0, "save_final": False},
                             eval={"every": 0, "num_prompts": 5, "batch_size": 4})
-    base["data"] = {"task": "dataset", "path": str(path), "answer_field": "answer", "eval_fraction": 0.25,
+    base["data"] = {"task": "dataset", "path": str(path), "answer_field": "answer", "eval_path": str(held_path),
                     "prompts_per_step": 3}
-    run = _run(tmp, "heldout_ctx", base, teacher={"context": {"examples": 3, "template": "{prompt}{hint}",
-                                                              "hint_field": "hint"}})
-    from opdistill.train.assemble import build_task
-
-    task = build_task(load_config(base={**base, "teacher": {"context": {"template": "{prompt}{hint}",
-                                                                        "hint_field": "hint"}}}))
-    held = {p.prompt for p in task.eval_rows}
+    ctx = {"context": {"examples": 8, "template": "{prompt}{hint}", "hint_field": "hint"}}
+    with pytest.warns(UserWarning, match="also appear in the training rows"):
+        run = _run(tmp, "heldout_ctx", base, teacher=ctx)
+    held = {r["prompt"] for r in rows[::2]}
     assert held and len(seen["rows"]) == 2
-    for rows in seen["rows"]:
-        for x in rows.teacher_prompts:
-            assert not held & {m["content"] for m in x}
-            assert not any(h in x[-1]["content"] for h in held)
+    for step_rows in seen["rows"]:
+        for x in step_rows.teacher_prompts:
+            examples = [m["content"] for m in x[:-1] if m["role"] == "user"]
+            assert len(examples) == 8 and not held & set(examples)
     evals = [r for r in read_metrics(run) if "eval/greedy_acc" in r]
     assert len(evals) == 2 and not any(k.startswith("eval/teacher") for r in evals for k in r)
 
@@ -211,6 +211,8 @@ def test_eval_prompts_teacher_decodes_the_held_out_problems_under_the_context(tm
     ({"eval": {"prompts": "teacher"}, "teacher": {"context": {"template": "{prompt}={answer}"}}},
      r"^eval.prompts: expected student when teacher.context.template reads \{answer\} or \{hint\} "),
     ({"teacher": {"context": {"tempalte": "{prompt}"}}}, r"^teacher.context.tempalte: unknown key "),
+    ({"model": {"teacher": "self"}, "teacher": {"engine": "vllm"}},
+     r"^teacher.engine: expected hf with model.teacher self "),
 ])
 def test_config_refusals(tmp, over, message):
     base = tiny_config_dict(tmp)
@@ -248,3 +250,23 @@ def test_refusals_before_any_model_loads(tmp):
     shots.write_text(json.dumps({"prompt": held, "response": "x"}) + "\n")
     with pytest.raises(DataError, match=rf"^{shots}:1: this example's prompt is a held-out problem "):
         check_run(load_config(base={**base, "data": data, "teacher": {"context": {"examples_path": str(shots)}}}))
+
+
+def test_an_evaluation_without_a_teacher_leaves_the_training_teacher_open(tmp):
+    """A context reading each row's answer gives the evaluation no teacher; the evaluation teacher it drops may share
+    the training teacher's state (a cross-tokenizer teacher's copy in another mode; a server's client), so it is
+    dropped, not closed."""
+    from opdistill.models import load_model, load_tokenizer
+    from opdistill.teachers import TeacherContext, build_teacher
+
+    base = tiny_config_dict(tmp)
+    base["teacher"] = {"context": {"template": "{prompt}{answer}"}}
+    base["xtok"] = {"mode": "sampled"}
+    base["loss"] = {"loss_mode": "sampled", "estimator": "k3"}
+    cfg = load_config(base=base)
+    tok = load_tokenizer(base["model"]["student"])
+    teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, models={"model.teacher": load_model(
+        base["model"]["teacher"])}, resolve=str))
+    assert teachers.eval is None and not teachers.train.inner._closed[0]
+    teachers.close()
+    assert teachers.train.inner._closed[0]

@@ -183,3 +183,23 @@ def test_unknown_builtins_list_every_builtin():
     with pytest.raises(ValueError, match=r"known: \['builtin:demo-teacher', 'builtin:demo-student', "
                                          r"'builtin:demo-teacher-bpe', 'builtin:smollm2', 'builtin:gemma3-270m'\]"):
         resolve_model_path("builtin:gemma")
+
+
+def test_gemmas_chat_template():
+    """Gemma's turn format as the converted base model's tokenizer gets it: the system message written into the first
+    user turn, the assistant's turns named model, every content as it is; a system message elsewhere is refused."""
+    from jinja2.exceptions import TemplateError
+
+    from opdistill.models import GEMMA3_CHAT_TEMPLATE
+
+    tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz<>_ \n", chat_template=GEMMA3_CHAT_TEMPLATE)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": " a1\n"}, {"role": "user", "content": "u2"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        "<s><start_of_turn>user\ns\n\nu1<end_of_turn>\n<start_of_turn>model\n a1\n<end_of_turn>\n"
+        "<start_of_turn>user\nu2<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.apply_chat_template(msgs[1:2], tokenize=False) == "<s><start_of_turn>user\nu1<end_of_turn>\n"
+    with pytest.raises(TemplateError, match="Gemma takes one system message, the first"):
+        tok.apply_chat_template(msgs[1:2] + msgs[:1], tokenize=False)
+    with pytest.raises(TemplateError, match="a user turn must follow it"):
+        tok.apply_chat_template([msgs[0], msgs[2]], tokenize=False)

@@ -4,15 +4,17 @@ The student answers the row's prompt x; the teacher scores the same response und
 
 - **worked examples** before the row's question: ``examples`` problems drawn once from the task's training problems
   (``Task.sample`` with a generator keyed by ``examples_seed``; never a held-out question: those are skipped), or
-  every ``{prompt, response}`` row of ``examples_path`` (a file holding a held-out question is refused). In a chat
+  every ``{prompt, response}`` row of ``examples_path`` (JSON lines, JSON, CSV or parquet; a file holding a held-out
+  question is refused). In a chat
   prompt each example is a user turn and an assistant turn (``Task.worked``: the response an example shows); in a
   plain-text prompt they are written one after another, each followed by a blank line;
 - a **system prompt** (``system``) that replaces the row's own;
 - a **template** of the row's last user turn: ``{prompt}`` (the row's question, required), ``{answer}`` (its
   reference answer) and ``{hint}`` (its ``hint_field``: a dataset column, a reasoning-gym metadata key).
 
-A row whose own question is one of the examples gets the spare example drawn in its place, so no teacher prompt
-shows the answer of the question it scores (unless the template asks for it). With no examples, no system prompt
+A row whose own question is one of the examples gets the spare example drawn in its place (an example read from a file
+is left out instead), so no teacher prompt shows the answer of the question it scores (unless the template asks for
+it). With no examples, no system prompt
 and the template ``{prompt}``, x' = x (the identity: every loss equals the plain run's). The held-out split never
 enters x': examples are training problems, and the evaluation gives a context that reads ``{answer}`` or ``{hint}``
 no held-out row (``reads_rows``: opdistill/train reports no teacher metrics then).
@@ -23,11 +25,11 @@ import json
 import random
 import re
 
-from opdistill.data.prompts import prompt_text
+from opdistill.data.prompts import _read_rows, prompt_text
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
 
-__all__ = ["TeacherPrompt", "PLACEHOLDERS", "question_of", "check_template"]
+__all__ = ["TeacherPrompt", "PLACEHOLDERS", "question_of", "check_template", "reads_rows"]
 
 PLACEHOLDERS = ("prompt", "answer", "hint")
 _DRAWS = 100  # draws per example asked before a task is declared too small for the examples
@@ -39,6 +41,11 @@ def question_of(prompt) -> str:
         return prompt
     users = [m["content"] for m in prompt if m["role"] == "user"]
     return users[-1] if users else prompt_text(prompt)
+
+
+def reads_rows(template: str) -> bool:
+    """Whether a template shows each row's own answer or hint (a held-out problem's must never be shown)."""
+    return bool(re.search(r"\{(answer|hint)\}", template))
 
 
 def check_template(template: str, hint_field: str | None, key: str = "teacher.context.template") -> None:
@@ -69,7 +76,7 @@ class TeacherPrompt:
                  held_out: list[Problem] = (), chat: bool = True):
         check_template(template, hint_field)
         self.task, self.system, self.template, self.chat = task, system, template, chat
-        self.reads_rows = bool(re.search(r"\{(answer|hint)\}", template))  # the row's own answer or hint
+        self.reads_rows = reads_rows(template)  # the row's own answer or hint
         banned = {question_of(p.prompt) for p in held_out}
         if examples_path is not None:
             self.examples = _read_examples(examples_path, banned)
@@ -77,13 +84,12 @@ class TeacherPrompt:
         else:
             drawn = _draw(task, examples + 1, examples_seed, banned) if examples else []
             self.examples, self.spare = drawn[:examples], (drawn[examples] if examples else None)
-        self.identity = not self.examples and system is None and template == "{prompt}"
 
     def __call__(self, problem: Problem):
         question = question_of(problem.prompt)
         examples = self.examples
-        if self.spare is not None and any(q == question for q, _ in examples):
-            examples = [e if e[0] != question else self.spare for e in examples]
+        if any(q == question for q, _ in examples):  # never the answer of the question the teacher scores
+            examples = [e if e[0] != question else self.spare for e in examples if e[0] != question or self.spare]
         user = self._fill(question, problem)
         if isinstance(problem.prompt, str) and not self.chat:
             head = (self.system + "\n\n") if self.system else ""
@@ -130,28 +136,15 @@ def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, str]]:
 
 
 def _read_examples(path: str, banned: set) -> list[tuple[str, str]]:
-    """The ``{prompt, response}`` rows of a JSON-lines file; one naming a held-out question is refused."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"teacher.context.examples_path: cannot read {path!r} ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    """The ``{prompt, response}`` rows of a file (JSON lines, JSON, CSV or parquet: ``opdistill.data.prompts``'
+    reader); one naming a held-out question is refused with its place."""
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
-                                                for k in ("prompt", "response")):
-            raise DataError(f"{path}:{n}: expected an object with non-empty string fields 'prompt' and 'response' "
-                            f"(a worked example for teacher.context), got {line[:80]!r}")
+    for where, row in _read_rows(path, key="teacher.context.examples_path"):
+        if not all(isinstance(row.get(k), str) and row[k].strip() for k in ("prompt", "response")):
+            raise DataError(f"{where}: expected non-empty string fields 'prompt' and 'response' (a worked example for "
+                            f"teacher.context), got {json.dumps(row)[:80]}")
         if row["prompt"] in banned:
-            raise DataError(f"{path}:{n}: this example's prompt is a held-out problem ({row['prompt'][:60]!r}); the "
+            raise DataError(f"{where}: this example's prompt is a held-out problem ({row['prompt'][:60]!r}); the "
                             f"held-out split never enters the teacher's prompt: remove it")
         out.append((row["prompt"], row["response"]))
     if not out:

@@ -29,7 +29,7 @@ from opdistill.data.answers import match_answer
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
 
-__all__ = ["PromptSource", "DatasetTask", "render_prompt", "prompt_text", "split_held_out", "truncate_prompt",
+__all__ = ["PromptSource", "DatasetTask", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
            "warn_unknown_chars"]
 
 
@@ -56,6 +56,19 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[in
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def render_prompts(tokenizer, prompts, *, use_chat_template: bool = True) -> list[list[int]]:
+    """:func:`render_prompt` of each of ``prompts``, each distinct prompt object rendered once (the ``rollout.n``
+    rows of one problem share theirs)."""
+    rendered: dict[int, list[int]] = {}
+    out = []
+    for x in prompts:
+        ids = rendered.get(id(x))
+        if ids is None:
+            ids = rendered[id(x)] = render_prompt(tokenizer, x, use_chat_template=use_chat_template)
+        out.append(ids)
+    return out
 
 
 def _load_hub(path: str, split: str, subset: str | None, key: str) -> list[tuple[str, dict]]:

@@ -75,6 +75,11 @@ class Rows:
         """``[B, S]``: the next token of each position (0 at the last), the ids ``sampled`` scores."""
         return shift_for_next_token(self.input_ids, self.response_mask)[0]
 
+    def response_starts(self) -> torch.Tensor:
+        """``[B]``: where each row's response starts (its first response token; a row without one: its length)."""
+        resp = self.response_mask.bool()
+        return torch.where(resp.any(-1), resp.int().argmax(-1), self.attention_mask.sum(-1))
+
     def select(self, rows: torch.Tensor) -> "Rows":
         """Rows ``rows`` (an index tensor), tags and prompts included."""
         pick = rows.tolist()

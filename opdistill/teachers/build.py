@@ -235,6 +235,7 @@ def _with_context(cfg, teachers: Teachers, context: TeacherContext) -> Teachers:
     c = cfg.teacher.context
     if c is None:
         return teachers
+    from opdistill.data import reads_rows
     from opdistill.models import model_positions
 
     wrapped: dict[int, Teacher] = {}
@@ -243,16 +244,16 @@ def _with_context(cfg, teachers: Teachers, context: TeacherContext) -> Teachers:
         if t is None:
             return None
         if id(t) not in wrapped:
-            positions = t.limits.get("max_model_len") or (model_positions(t.model) if hasattr(t, "model") else None)
+            # the teacher's positions, in the student's tokens (a cross-tokenizer teacher counts in its own)
+            positions = None if isinstance(t, CrossTokenizerTeacher) else t.limits.get("max_model_len") or (
+                model_positions(t.model) if hasattr(t, "model") else None)
             wrapped[id(t)] = ContextTeacher(t, context.tokenizer, use_chat_template=cfg.data.use_chat_template,
                                             max_positions=positions)
         return wrapped[id(t)]
 
-    evaluation = teachers.eval
-    if "{answer}" in c.template or "{hint}" in c.template or cfg.eval.prompts == "teacher":
-        if evaluation is not None and evaluation is not teachers.train:
-            evaluation.close()
-        evaluation = None
+    # dropped, not closed: an evaluation teacher holds nothing of its own (in process), or shares the training
+    # teacher's connections (a server, a cross-tokenizer copy); Teachers.close closes what the run holds
+    evaluation = None if reads_rows(c.template) or cfg.eval.prompts == "teacher" else teachers.eval
     return Teachers(wrap(teachers.train), wrap(evaluation))
 
 

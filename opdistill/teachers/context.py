@@ -20,11 +20,12 @@ and maps the student's response tokens as it always does). With x' = x every ans
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
 
-from opdistill.data import render_prompt
+from opdistill.data import render_prompts
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.loss.signals import GroupedScores
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError
@@ -37,7 +38,9 @@ class ContextTeacher(Teacher):
     ``tokenizer``: the student's (x' in its tokens; a cross-tokenizer ``inner`` renders x' again in its own)."""
 
     def __init__(self, inner: Teacher, tokenizer, *, use_chat_template: bool = True, max_positions: int | None = None):
-        self.inner, self.tokenizer, self.use_chat_template = inner, tokenizer, use_chat_template
+        # its own copy: the pipelined step scores in another thread than the evaluation's rendering, and a fast
+        # tokenizer refuses two threads at once
+        self.inner, self.tokenizer, self.use_chat_template = inner, copy.deepcopy(tokenizer), use_chat_template
         self.max_positions = max_positions  # the teacher's positions, when known: a longer row is refused
         self.key, self.background, self.collective = inner.key, inner.background, inner.collective
         self.engine_name = inner.engine_name
@@ -69,18 +72,8 @@ class ContextTeacher(Teacher):
                                "and these rows carry none (Rows.teacher_prompts: one per row)")
         B = rows.num_rows
         lengths = rows.attention_mask.sum(-1)
-        resp = rows.response_mask.bool()
-        # the response starts at its first token (a row without one: at its end, nothing to score)
-        first = torch.where(resp.any(-1), resp.int().argmax(-1), lengths)
-        rendered: dict[int, list[int]] = {}  # by prompt object: the rollout.n rows of one problem share it
-        seqs = []
-        for b in range(B):
-            x = rows.teacher_prompts[b]
-            ids = rendered.get(id(x))
-            if ids is None:
-                ids = rendered[id(x)] = render_prompt(self.tokenizer, x, use_chat_template=self.use_chat_template)
-            seqs.append(ids)
-        p_s = first
+        p_s = rows.response_starts()  # a row without a response: its end (nothing to score)
+        seqs = render_prompts(self.tokenizer, rows.teacher_prompts, use_chat_template=self.use_chat_template)
         p_t = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         tail = lengths - p_s  # response and whatever follows it in the row
         width = int((p_t + tail).max()) if B else 1

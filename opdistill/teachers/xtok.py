@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-from opdistill.data import render_prompt
+from opdistill.data import render_prompts
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError
 from opdistill.xtok import RowText, VocabMap, map_rows, token_bytes
@@ -95,13 +95,11 @@ class CrossTokenizerTeacher(Teacher):
             raise TeacherError(f"{self.key}: a cross-tokenizer teacher renders each prompt through its own chat "
                                "template, and these rows carry no prompts (a teacher cache or a hand-built Rows: "
                                "give Rows(prompts=...))")
-        seqs, texts, p_s, p_t, responses = [], [], [], [], []
-        resp = rows.response_mask.bool()
-        for b in range(rows.num_rows):
-            where = resp[b].nonzero().flatten()
-            start = int(where[0]) if where.numel() else int(rows.attention_mask[b].sum())
-            responses.append(rows.input_ids[b, start:start + where.numel()].tolist())
-            p_s.append(start)
+        seqs, texts, p_t, responses = [], [], [], []
+        p_s = rows.response_starts().tolist()
+        counts = rows.response_mask.sum(-1).tolist()
+        for b, (start, n) in enumerate(zip(p_s, counts)):
+            responses.append(rows.input_ids[b, start:start + int(n)].tolist())
         if self.same:  # one tokenizer: the student's own tokens, the identity (SPEC 6.6)
             texts = [RowText(s_ids, s_ids) for s_ids in responses]
         elif self.mode == "sampled":  # the fallback reads the teacher's own pieces from the boundary at c: no back-off
@@ -115,12 +113,8 @@ class CrossTokenizerTeacher(Teacher):
             for s_ids, full, win in zip(responses, fulls, windows):
                 texts.append(RowText(s_ids, full, self._starts(full, win, pieces[at:at + len(win)])))
                 at += len(win)
-        rendered: dict[int, list[int]] = {}  # by prompt object: the rollout.n rows of one prompt share it
-        for b, rt in enumerate(texts):
-            prompt = rendered.get(id(rows.prompts[b]))
-            if prompt is None:
-                prompt = render_prompt(self.teacher_tok, rows.prompts[b], use_chat_template=self.use_chat_template)
-                rendered[id(rows.prompts[b])] = prompt
+        prompts = render_prompts(self.teacher_tok, rows.prompts, use_chat_template=self.use_chat_template)
+        for prompt, rt in zip(prompts, texts):
             seqs.append((prompt, rt.teacher_ids))
             p_t.append(len(prompt))
         width = max(len(p) + len(t) for p, t in seqs)

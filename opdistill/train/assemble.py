@@ -68,16 +68,24 @@ def build_task(cfg: TrainerConfig) -> Task:
     return make_task(cfg.data.task, **cfg.data.task_args, **({"hint_field": hint} if hint is not None else {}))
 
 
-def build_context(cfg: TrainerConfig, task: Task, held_out: list, tok) -> TeacherPrompt | None:
+BANNED_EVAL_DRAWS = 1000  # a task without its own held-out set: its first evaluation draws never enter x'
+
+
+def build_context(cfg: TrainerConfig, task: Task, tok) -> TeacherPrompt | None:
     """The teacher's own prompt per problem (``teacher.context``, SPEC 6.7), or None: its examples drawn from the
-    training problems, never a held-out one (``held_out``: the evaluated problems; the task's whole held-out set is
-    added where it has one)."""
+    training problems, never a held-out one: the task's own held-out set, or for a generated task without one the
+    first ``max(BANNED_EVAL_DRAWS, eval.num_prompts)`` evaluation draws (any evaluation of up to that many problems,
+    whatever its ``eval.num_prompts``: the same examples in training and in ``opdistill eval``). A dataset without
+    held-out rows is evaluated on its training rows (a warning says so): nothing to ban."""
     c = cfg.teacher.context
     if c is None:
         return None
-    banned = list(held_out) + (task.held_out_all() or [])
+    banned = task.held_out_all()
+    if banned is None and not isinstance(task, DatasetTask):
+        banned = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(
+            max(BANNED_EVAL_DRAWS, cfg.eval.num_prompts))
     return TeacherPrompt(task, examples=c.examples, examples_path=c.examples_path, examples_seed=c.examples_seed,
-                         system=c.system, template=c.template, hint_field=c.hint_field, held_out=banned,
+                         system=c.system, template=c.template, hint_field=c.hint_field, held_out=banned or [],
                          chat=cfg.data.use_chat_template and bool(getattr(tok, "chat_template", None)))
 
 
@@ -107,7 +115,9 @@ def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False, s
         student = truncate_layers(student, mc.student_from_teacher_layers)
     if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
         student = apply_lora(student, mc.lora)
-    if mc.teacher == SELF and mc.lora is not None:
+    if mc.teacher == SELF and cfg.teacher.url is not None:  # the server scores: no teacher in this process
+        pass
+    elif mc.teacher == SELF and mc.lora is not None:
         teacher = self_teacher(student)
     elif mc.teacher == SELF:  # the student's starting weights, frozen: one copy read from the student's folder
         teacher = load_model(student_path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code,
@@ -323,7 +333,7 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
     task = build_task(cfg)
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
-    context = build_context(cfg, task, held_out, tok)
+    context = build_context(cfg, task, tok)
     check_before_loading(cfg, tok, student_info, teacher_infos, task, world=ctx.world, dp=ctx.dp[1],
                          held_out=len(held_out))
     if context is not None:

@@ -389,7 +389,9 @@ class TrainerConfig(_Section):
         if self.eval.prompts == "teacher":
             need(ctx is not None, "eval.prompts", "student without teacher.context (teacher: the held-out problems "
                  "under the teacher's context)", self.eval.prompts)
-            need("{answer}" not in ctx.template and "{hint}" not in ctx.template, "eval.prompts",
+            from opdistill.data.context import reads_rows
+
+            need(not reads_rows(ctx.template), "eval.prompts",
                  "student when teacher.context.template reads {answer} or {hint} (the held-out answers never enter a "
                  "prompt)", self.eval.prompts)
         if self.teacher.url is not None:
@@ -459,6 +461,9 @@ class TrainerConfig(_Section):
                     "opdistill", "needs its top-k and sampled log-probs together"), t.api)
         if self.teacher.engine == "vllm":
             need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
+                 self.teacher.engine)
+            need(self.model.teacher != "self", "teacher.engine", "hf with model.teacher self (the student's own "
+                 "starting weights are scored in process; serve its folder to score them with vLLM)",
                  self.teacher.engine)
             need(method != "rl", "teacher.engine", "hf with method rl (no teacher)", self.teacher.engine)
             need(self.data.teacher_cache is None, "teacher.engine", "hf with data.teacher_cache", self.teacher.engine)
