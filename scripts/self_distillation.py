@@ -1,9 +1,16 @@
-"""Issue 33's learning experiment (a): SmolLM2-135M-Instruct self-distilled from its own few-shot context, against
-its baselines, on reasoning-gym tasks with their own strict verifiers.
+"""Issue 33's learning experiments on real models, reasoning-gym tasks and their own verifiers.
 
-    python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar   # ~2 h on 2 cores
+    python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar   # (a), ~2 h on 2 cores
     python scripts/self_distillation.py --task addition --out runs/self_distill_addition
     python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar --report
+    python scripts/self_distillation.py --task calendar --out runs/self_distill_calendar --diagnose
+    python scripts/self_distillation.py --setup b --task calendar --out runs/gemma_teaches_smollm2   # (b)
+    python scripts/self_distillation.py --setup c --task calendar --out runs/smollm2_teaches_gemma   # (c)
+
+(b) and (c) run on-policy distillation only (two seeds, 16 steps) across tokenizers (byte-prefix marginalisation,
+the teacher's top-64): Gemma-3-270M (the base model) under the same five worked examples teaching SmolLM2, and
+SmolLM2 under them teaching Gemma (fused lm_head); each against its own untrained student and its teacher's own
+accuracy under the context. The rest of these notes are (a)'s.
 
 From configs/smollm2_self_distill.yaml (the student: SmolLM2-135M-Instruct, full fine-tuning; the context-teacher:
 its own frozen starting weights with five worked examples of the task before the question), for each seed:
@@ -40,9 +47,7 @@ TASKS = {
     "addition": "{name: basic_arithmetic, size: 2000, seed: 0, eval_size: 400, min_terms: 2, max_terms: 2, "
                 "min_digits: 1, max_digits: 2, operators: ['+'], allow_parentheses: false, allow_negation: false}",
 }
-STEPS, EVERY, PROBLEMS = 24, 8, 150
-COMMON = [f"train.steps={STEPS}", f"eval.every={EVERY}", f"eval.num_prompts={PROBLEMS}", "eval.at_start=false",
-          "log.progress=false", "checkpoint.save_final=true", "checkpoint.keep_last=1", "train.threads=1"]
+EVERY, PROBLEMS = 8, 150
 METHODS = {
     "opd": [],
     "offpolicy": ["train.method=off_policy"],
@@ -50,6 +55,24 @@ METHODS = {
              "data.prompts_per_step=4"],
 }
 SEEDS = (0, 1)
+XTOK = ["xtok.mode=bpm", "xtok.teacher_topk=64"]
+# a: SmolLM2 from itself under five worked examples, against its baselines; b: Gemma-3-270M (the base model) under
+# the same five worked examples teaching SmolLM2 across tokenizers; c: the reverse, SmolLM2 teaching Gemma
+SETUPS = {
+    "a": {"steps": 24, "methods": ("opd", "offpolicy", "grpo"), "args": [],
+          "teacher_eval": []},
+    "b": {"steps": 16, "methods": ("opd",), "args": ["model.teacher=builtin:gemma3-270m", *XTOK],
+          "teacher_eval": ["model.student=builtin:gemma3-270m"]},
+    "c": {"steps": 16, "methods": ("opd",), "args": ["model.student=builtin:gemma3-270m", "model.teacher=builtin:smollm2",
+                                                     *XTOK, "train.fused_lm_head=true"],
+          "teacher_eval": ["model.student=builtin:smollm2", "model.teacher=self", "xtok.mode=off"]},
+}
+
+
+def _common(setup: str) -> list[str]:
+    return [f"train.steps={SETUPS[setup]['steps']}", f"eval.every={EVERY}", f"eval.num_prompts={PROBLEMS}",
+            "eval.at_start=false", "log.progress=false", "checkpoint.save_final=true", "checkpoint.keep_last=1",
+            "train.threads=1", *SETUPS[setup]["args"]]
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -66,32 +89,36 @@ def _task(task: str) -> list[str]:
     return [f"data.task_args={TASKS[task]}"]
 
 
-def run_all(task: str, out: Path, lanes: int) -> None:
+def run_all(setup: str, task: str, out: Path, lanes: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     opd = [sys.executable, "-m", "opdistill"]
+    su = SETUPS[setup]
     evals = [opd + ["eval", "--config", CONFIG, *_task(task), f"eval.num_prompts={PROBLEMS}", "train.threads=1",
                     *extra, "--values", str(out / f"{name}.values.json")]
-             for name, extra in (("base", []), ("teacher", ["eval.prompts=teacher"]))]
-    jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *COMMON, f"run_dir={out / f'{m}-seed{s}'}",
-                                    f"train.seed={s}", *args])
-            for s in SEEDS for m, args in METHODS.items()]
-    print(f"{task}: 2 evaluations and {len(jobs)} runs of {STEPS} steps in {lanes} lanes -> {out}", flush=True)
+             for name, extra in (("base", su["args"]), ("teacher", [*su["teacher_eval"], "eval.prompts=teacher"]))]
+    jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *_common(setup),
+                                    f"run_dir={out / f'{m}-seed{s}'}", f"train.seed={s}", *METHODS[m]])
+            for s in SEEDS for m in su["methods"]]
+    print(f"{setup} {task}: 2 evaluations and {len(jobs)} runs of {su['steps']} steps in {lanes} lanes -> {out}",
+          flush=True)
     with ThreadPoolExecutor(max_workers=lanes) as pool:
         list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"),
                       [(n, cmd) for n, cmd in zip(("base", "teacher"), evals)] + jobs))
 
 
-def step_times(task: str, out: Path, repeats: int = 3) -> dict:
+def step_times(setup: str, task: str, out: Path, repeats: int = 3) -> dict:
     """Each method's seconds per training step: 3-step runs, one at a time (one process, train.threads 1), the
     methods interleaved, ``repeats`` times; the median of each method's per-step times (steps 2-3: step 1 warms)."""
     opd = [sys.executable, "-m", "opdistill"]
-    times: dict = {m: [] for m in METHODS}
+    methods = SETUPS[setup]["methods"]
+    times: dict = {m: [] for m in methods}
+    (out / "step_times").mkdir(parents=True, exist_ok=True)
     for r in range(repeats):
-        for m, args in METHODS.items():
+        for m in methods:
             run = out / "step_times" / f"{m}-{r}"
-            _run(opd + ["train", "--config", CONFIG, *_task(task), "train.steps=3", "eval.num_prompts=0",
-                        "log.progress=false", "checkpoint.save_final=false", "train.threads=1", f"run_dir={run}",
-                        "--overwrite", *args], out / "step_times" / f"{m}-{r}.log")
+            _run(opd + ["train", "--config", CONFIG, *_task(task), *SETUPS[setup]["args"], "train.steps=3",
+                        "eval.num_prompts=0", "log.progress=false", "checkpoint.save_final=false", "train.threads=1",
+                        f"run_dir={run}", "--overwrite", *METHODS[m]], out / "step_times" / f"{m}-{r}.log")
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             times[m] += [row["time/step_s"] for row in rows if "time/step_s" in row][1:]
     result = {m: statistics.median(v) for m, v in times.items()}
@@ -104,7 +131,7 @@ def _values(path: Path) -> tuple:
     return v["greedy_correct"], v["problems"], v.get("sampled_correct"), v.get("samples")
 
 
-def report(task: str, out: Path) -> None:
+def report(setup: str, task: str, out: Path) -> None:
     from opdistill.runs.stats import paired_difference, paired_lift_ratio
 
     base, teacher = _values(out / "base.values.json"), _values(out / "teacher.values.json")
@@ -121,8 +148,8 @@ def report(task: str, out: Path) -> None:
     print("| method | step | seed 0 | seed 1 | mean | change from the untrained student [95%] | share of the "
           "teacher's lead closed [95%] | CPU s / step |")
     print("|---|---|---|---|---|---|---|---|")
-    for m in METHODS:
-        for step in range(EVERY, STEPS + 1, EVERY):
+    for m in SETUPS[setup]["methods"]:
+        for step in range(EVERY, SETUPS[setup]["steps"] + 1, EVERY):
             runs = [_values(out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json") for s in SEEDS]
             accs = [acc(v) for v in runs]
             diff = paired_difference([r[:2] for r in runs], [base[:2]])
@@ -133,7 +160,7 @@ def report(task: str, out: Path) -> None:
                   f"{share.hi:.2f}] | {t} |")
 
 
-def diagnose(task: str, out: Path) -> dict:
+def diagnose(setup: str, task: str, out: Path) -> dict:
     """What the students learned, read off their greedy answers to the held-out problems: the share that gives an
     answer in the verifier's format (``<answer>...</answer>``), the accuracy among those, and the most common
     answers against the best constant answer's accuracy (a student that learned one answer would match it). For the
@@ -151,15 +178,17 @@ def diagnose(task: str, out: Path) -> dict:
     from opdistill.train.loop import load_models
 
     torch.set_num_threads(2)
-    cfg = load_config(CONFIG, _task(task) + [f"eval.num_prompts={PROBLEMS}"])
+    su = SETUPS[setup]
+    cfg = load_config(CONFIG, _task(task) + [f"eval.num_prompts={PROBLEMS}", *su["args"]])
     tok, student, _ = load_models(cfg.model_copy(update={"model": cfg.model.model_copy(update={"teacher": None})}))
     task_ = build_task(cfg)
     held = PromptSource(task_, cfg.train.seed, cfg.data.eval_seed).held_out(PROBLEMS)
     context = build_context(cfg, task_, tok)
     best = Counter(p.answer for p in held).most_common(1)[0]
     initial = {k: v.clone() for k, v in student.state_dict().items()}
-    targets = [("base", None, False), ("teacher", None, True)] + [
-        (f"{m}-seed{s}", out / f"{m}-seed{s}", False) for m in METHODS for s in SEEDS]
+    # the teacher's own accuracy under the context is the student's model's only where the teacher is the student
+    targets = [("base", None, False)] + ([("teacher", None, True)] if setup == "a" else []) + [
+        (f"{m}-seed{s}", out / f"{m}-seed{s}", False) for m in su["methods"] for s in SEEDS]
     result = {"constant": {"answer": best[0], "acc": best[1] / len(held)}}
     for name, run, under_context in targets:
         student.load_state_dict(initial)
@@ -185,6 +214,8 @@ def diagnose(task: str, out: Path) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), required=True)
+    ap.add_argument("--setup", choices=sorted(SETUPS), default="a", help="a: SmolLM2 from itself, against its "
+                    "baselines; b: Gemma-3-270M teaching SmolLM2 across tokenizers; c: SmolLM2 teaching Gemma")
     ap.add_argument("--out", required=True)
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="only print the table from existing runs")
@@ -193,14 +224,14 @@ def main():
     args = ap.parse_args()
     out = Path(args.out)
     if args.diagnose:
-        diagnose(args.task, out)
+        diagnose(args.setup, args.task, out)
         return
     if args.step_times:
-        print(step_times(args.task, out))
+        print(step_times(args.setup, args.task, out))
         return
     if not args.report:
-        run_all(args.task, out, args.lanes)
-    report(args.task, out)
+        run_all(args.setup, args.task, out, args.lanes)
+    report(args.setup, args.task, out)
 
 
 if __name__ == "__main__":
