@@ -24,7 +24,7 @@ its own frozen starting weights with five worked examples of the task before the
 
 and, evaluated once: the untrained student (``base``) and the untrained student decoding under the context
 (``teacher``, ``eval.prompts: teacher``: the context-teacher's own accuracy). Every run evaluates the same held-out
-problems (greedy and one sample each) at steps 8, 16 and 24; every change is paired over problems with its 95%
+problems (greedy and one sample each) at steps 8, 16 and 24 (addition: 12 and 24); every change is paired over problems with its 95%
 bootstrap interval (``opdistill compare --baseline``), and the share of the teacher's lead the student closes
 carries its paired interval (``opdistill.runs.stats.paired_lift_ratio``). The runs go in two lanes (one torch thread
 each): the comparison at equal steps does not depend on it; each method's CPU seconds per step are measured apart
@@ -47,7 +47,8 @@ TASKS = {
     "addition": "{name: basic_arithmetic, size: 2000, seed: 0, eval_size: 400, min_terms: 2, max_terms: 2, "
                 "min_digits: 1, max_digits: 2, operators: ['+'], allow_parentheses: false, allow_negation: false}",
 }
-EVERY, PROBLEMS = 8, 150
+PROBLEMS = 150
+EVERY = {"calendar": 8, "addition": 12}  # steps between evaluations (each ~3-5 CPU minutes at one thread)
 METHODS = {
     "opd": [],
     "offpolicy": ["train.method=off_policy"],
@@ -69,8 +70,8 @@ SETUPS = {
 }
 
 
-def _common(setup: str) -> list[str]:
-    return [f"train.steps={SETUPS[setup]['steps']}", f"eval.every={EVERY}", f"eval.num_prompts={PROBLEMS}",
+def _common(setup: str, task: str) -> list[str]:
+    return [f"train.steps={SETUPS[setup]['steps']}", f"eval.every={EVERY[task]}", f"eval.num_prompts={PROBLEMS}",
             "eval.at_start=false", "log.progress=false", "checkpoint.save_final=true", "checkpoint.keep_last=1",
             "train.threads=1", *SETUPS[setup]["args"]]
 
@@ -96,7 +97,7 @@ def run_all(setup: str, task: str, out: Path, lanes: int) -> None:
     evals = [opd + ["eval", "--config", CONFIG, *_task(task), f"eval.num_prompts={PROBLEMS}", "train.threads=1",
                     *extra, "--values", str(out / f"{name}.values.json")]
              for name, extra in (("base", su["args"]), ("teacher", [*su["teacher_eval"], "eval.prompts=teacher"]))]
-    jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *_common(setup),
+    jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *_common(setup, task),
                                     f"run_dir={out / f'{m}-seed{s}'}", f"train.seed={s}", *METHODS[m]])
             for s in SEEDS for m in su["methods"]]
     print(f"{setup} {task}: 2 evaluations and {len(jobs)} runs of {su['steps']} steps in {lanes} lanes -> {out}",
@@ -149,7 +150,7 @@ def report(setup: str, task: str, out: Path) -> None:
           "teacher's lead closed [95%] | CPU s / step |")
     print("|---|---|---|---|---|---|---|---|")
     for m in SETUPS[setup]["methods"]:
-        for step in range(EVERY, SETUPS[setup]["steps"] + 1, EVERY):
+        for step in range(EVERY[task], SETUPS[setup]["steps"] + 1, EVERY[task]):
             runs = [_values(out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json") for s in SEEDS]
             accs = [acc(v) for v in runs]
             diff = paired_difference([r[:2] for r in runs], [base[:2]])
