@@ -295,7 +295,7 @@ def _score(args):
 
     from opdistill.data import PromptSource, render_prompt
     from opdistill.engines.rollout import generate_rollouts
-    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, save_cache
+    from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
@@ -305,6 +305,9 @@ def _score(args):
     if cfg.teacher.context is not None:
         raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
                           "under the student's prompts, which data.teacher_cache trains on)")
+    if cfg.xtok.mode != "off":
+        raise ConfigError(f"xtok.mode: expected off for opdistill score (a teacher cache holds the teacher's scores "
+                          f"of the student's own token ids), got {cfg.xtok.mode!r}")
     check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -321,8 +324,10 @@ def _score(args):
                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                            min_new_tokens=cfg.rollout.min_new_tokens, batch_size=cfg.rollout.batch_size,
                            seed=cfg.train.seed, step=0)
-    scores = LocalTeacher(teacher).score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
-                                         ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
+    scorer = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models={"model.teacher": teacher}),
+                           train=False).eval  # model.teacher in this process
+    scores = scorer.score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
+                          ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)

@@ -47,7 +47,7 @@ from opdistill.teachers.sharded import ShardedTeacher
 from opdistill.teachers.stock_vllm import StockVllmTeacher
 from opdistill.teachers.xtok import CrossTokenizerTeacher
 
-__all__ = ["TeacherContext", "Teachers", "build_teacher", "connect"]
+__all__ = ["TeacherContext", "Teachers", "build_teacher", "connect", "server_teacher"]
 
 
 @dataclass
@@ -277,3 +277,22 @@ def _teachers(cfg, context: TeacherContext, *, train: bool) -> Teachers:
     if cfg.teacher.engine == "vllm":
         return Teachers(_vllm(cfg, context), local)
     return Teachers(local, local)
+
+
+def server_teacher(path: str, *, engine: str = "hf", dtype: str = "float32", trust_remote_code: bool = False,
+                   max_logprobs: int = 20, max_model_len: int | None = None,
+                   gpu_memory_utilization: float = 0.9, key: str = "--model") -> Teacher:
+    """The teacher a teacher server scores with (``opdistill serve-teacher``): the model of folder ``path`` in this
+    process (``engine`` hf: every request, at any temperature) or a vLLM engine of it (``vllm``: prompt log-probs,
+    up to ``max_logprobs`` per position, never put to sleep: a server scores request after request)."""
+    if engine == "vllm":
+        from opdistill.engines.vllm import VllmEngine
+        from opdistill.teachers.vllm import VllmTeacher
+
+        return VllmTeacher(VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=max_logprobs,
+                                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                      sleep=False, trust_remote_code=trust_remote_code))
+    from opdistill.models import load_model
+
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key=key)
+    return LocalTeacher(model.requires_grad_(False), key=key)

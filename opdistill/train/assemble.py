@@ -449,10 +449,9 @@ def _teacher_heads(teacher) -> dict[str, str]:
     """{where the teacher comes from: SHA-256 of its lm_head} for the hidden-state payload (each routed member)."""
     from opdistill.teachers.wire import head_sha256
 
-    members = getattr(teacher, "members", {"": teacher})
     out = {}
-    for name, t in members.items():
-        head = getattr(t, "head", None)
+    for name, t in teacher.named().items():
+        head = t.head
         if head is not None:
             out[f"{t.key}" + (f" ({name})" if name else "")] = head_sha256(head.weight, head.bias)
     return out
