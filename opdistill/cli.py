@@ -143,14 +143,18 @@ def _check(args, cfg) -> int:
 
     print(dump_yaml(config_to_dict(cfg)).rstrip())  # reads back the same under YAML 1.1 and 1.2
     check_model_folders(cfg)
-    found = check_run(cfg)
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc: expected a number of processes >= 1, got {nproc}")
+    found = check_run(cfg, nproc=nproc)
     run_dir = Path(cfg.run_dir)
     if (run_dir / "config.yaml").exists():
         where = f"run_dir {run_dir} holds a run: continue it with --resume, or replace it with --overwrite"
     else:
         where = f"run_dir {run_dir} is free"
+    layout = f" as {nproc} processes (torchrun --nproc-per-node {nproc})" if nproc and nproc > 1 else ""
     print(f"# ok: the config, the model folders' metadata, the data ({found['held_out']} held-out problems) and "
-          f"the teacher settings pass every check made before loading; {where}", file=sys.stderr)
+          f"the teacher settings pass every check made before loading{layout}; {where}", file=sys.stderr)
     return 0
 
 
@@ -543,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "when it would be refused.")
     ck.add_argument("--config", required=True, help="YAML config file (docs/trainer.md lists every key)")
     ck.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted.key=value overrides (default: none)")
+    ck.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="check as N processes would run it (torchrun --nproc-per-node N: the tensor-parallel mesh, "
+                         "each rank's share of the prompts, what FSDP2 is not wired with; default: one process)")
     ck.set_defaults(fn=_cmd_check)
     return p
 

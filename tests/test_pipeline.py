@@ -522,16 +522,16 @@ def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exac
                                     tmp / "lost_server.log", what="serve-teacher", timeout_s=90, env=env)
 
     server = start()
-    original = collect_mod.Collector.make
+    original = collect_mod.Collector.ask
 
-    def collect(self, step, student):
-        if step == 3:
+    def ask(self, batch):  # step 3's request: sent once step 2's is answered (one request in flight)
+        if batch.step == 3:
             stop_server_process(server, grace_s=0)
-        return original(self, step, student)
+        return original(self, batch)
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(collect_mod.Collector, "make", collect)
+        mp.setattr(collect_mod.Collector, "ask", ask)
         with pytest.raises(TeacherServiceError) as e:
             run_training(load_config(base=c), quiet=True)
     finally:

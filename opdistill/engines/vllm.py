@@ -79,9 +79,9 @@ def supported_architectures() -> set[str]:
 
 def cpu_head_sizes() -> list[int] | None:
     """The attention head sizes vLLM's CPU backend has kernels for (imports vllm), None where this vllm does not
-    say."""
-    _import_vllm()
+    say (or cannot be imported: the engine's own start says why)."""
     try:
+        _import_vllm()
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     except ImportError:
         return None

@@ -158,6 +158,11 @@ class Teacher(abc.ABC):
     engine_name: str = "hf"
     #: the names of the sums its answers carry (``TeacherScores.sums``), which :meth:`step_metrics` reads
     sum_names: tuple = ()
+    #: what it cannot answer, by capability, each with the end of the sentence that says why (the config's rules read
+    #: it to refuse a setting before anything loads: opdistill/train/rules.py): ``hidden`` (its final hidden states,
+    #: ``loss.loss_mode: full``), ``requested`` (log-probs at ids the caller names, ``loss.support: union``),
+    #: ``mapped`` (what a cross-tokenizer teacher reads of the teacher it wraps, ``xtok.mode``)
+    cannot: dict = {}
     #: True: its answers may carry a mask (positions without a signal, ``TeacherScores.mask``), which decides the
     #: step's rows: a caller waits for the answer before it plans the step (a cross-tokenizer teacher)
     masks: bool = False

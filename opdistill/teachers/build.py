@@ -47,7 +47,8 @@ from opdistill.teachers.sharded import ShardedTeacher
 from opdistill.teachers.stock_vllm import StockVllmTeacher
 from opdistill.teachers.xtok import CrossTokenizerTeacher
 
-__all__ = ["TeacherContext", "Teachers", "build_teacher", "connect", "server_teacher"]
+__all__ = ["TeacherContext", "TeacherSource", "Teachers", "build_teacher", "connect", "server_teacher",
+           "teacher_sources"]
 
 
 @dataclass
@@ -82,6 +83,40 @@ class Teachers:
     def close(self) -> None:
         for t in {id(t): t for t in (self.train, self.eval) if t is not None}.values():
             t.close()
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """A teacher class a config's setting chooses (:func:`teacher_sources`): ``key`` and ``value`` of that setting,
+    ``setting`` as a message names it, ``default``: the value that does not choose it."""
+
+    cls: type
+    key: str
+    value: object
+    setting: str
+    default: object
+
+
+def teacher_sources(cfg) -> list[TeacherSource]:
+    """The teacher classes the config's settings choose other than the models scored in this process by
+    :class:`LocalTeacher` (what the config's rules read ``Teacher.cannot`` of, before anything loads), in the order
+    the rules ask: the teacher cache, a vLLM teacher engine, a stock ``vllm serve`` endpoint (``teacher.api``), and
+    each named teacher's endpoint."""
+    from opdistill.teachers.vllm import VllmTeacher
+
+    out = []
+    if cfg.data.teacher_cache is not None:
+        out.append(TeacherSource(CachedTeacher, "data.teacher_cache", cfg.data.teacher_cache, "data.teacher_cache",
+                                 None))
+    if cfg.teacher.engine == "vllm":
+        out.append(TeacherSource(VllmTeacher, "teacher.engine", "vllm", "teacher.engine vllm", "hf"))
+    if cfg.teacher.api == "vllm":
+        out.append(TeacherSource(StockVllmTeacher, "teacher.api", "vllm", "teacher.api vllm", "opdistill"))
+    for i, t in enumerate(cfg.teachers or []):
+        if t.api == "vllm":
+            out.append(TeacherSource(StockVllmTeacher, f"teachers.{i}.api", "vllm", f"teachers.{i}.api vllm",
+                                     "opdistill"))
+    return out
 
 
 def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:

@@ -281,6 +281,9 @@ class CachedTeacher(WrappedTeacher):
     rows the cache does not hold are scored by ``inner`` (a Teacher) or refused when ``inner`` is None. Only what the
     cache stored can be answered from it: top-k at its K, sampled-token log-probs, temperature 1."""
 
+    cannot = {"hidden": "a teacher cache does not hold", "mapped": "reads each prompt's text, which a cache's rows do "
+              "not keep"}
+
     def __init__(self, cache: dict, *, inner: Teacher | None = None, key: str = "data.teacher_cache"):
         super().__init__(inner)
         self.cache, self.key = cache, key
