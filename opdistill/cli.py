@@ -143,14 +143,18 @@ def _check(args, cfg) -> int:
 
     print(dump_yaml(config_to_dict(cfg)).rstrip())  # reads back the same under YAML 1.1 and 1.2
     check_model_folders(cfg)
-    found = check_run(cfg)
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc: expected a number of processes >= 1, got {nproc}")
+    found = check_run(cfg, nproc=nproc)
     run_dir = Path(cfg.run_dir)
     if (run_dir / "config.yaml").exists():
         where = f"run_dir {run_dir} holds a run: continue it with --resume, or replace it with --overwrite"
     else:
         where = f"run_dir {run_dir} is free"
+    layout = f" as {nproc} processes (torchrun --nproc-per-node {nproc})" if nproc and nproc > 1 else ""
     print(f"# ok: the config, the model folders' metadata, the data ({found['held_out']} held-out problems) and "
-          f"the teacher settings pass every check made before loading; {where}", file=sys.stderr)
+          f"the teacher settings pass every check made before loading{layout}; {where}", file=sys.stderr)
     return 0
 
 
@@ -295,7 +299,7 @@ def _score(args):
 
     from opdistill.data import PromptSource, render_prompt
     from opdistill.engines.rollout import generate_rollouts
-    from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, save_cache
+    from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
     from opdistill.train import load_config
     from opdistill.train.loop import build_task, load_models
     from opdistill.train.preflight import check_against_models, check_model_folders
@@ -305,6 +309,9 @@ def _score(args):
     if cfg.teacher.context is not None:
         raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
                           "under the student's prompts, which data.teacher_cache trains on)")
+    if cfg.xtok.mode != "off":
+        raise ConfigError(f"xtok.mode: expected off for opdistill score (a teacher cache holds the teacher's scores "
+                          f"of the student's own token ids), got {cfg.xtok.mode!r}")
     check_model_folders(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -321,8 +328,10 @@ def _score(args):
                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                            min_new_tokens=cfg.rollout.min_new_tokens, batch_size=cfg.rollout.batch_size,
                            seed=cfg.train.seed, step=0)
-    scores = LocalTeacher(teacher).score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
-                                         ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
+    scorer = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models={"model.teacher": teacher}),
+                           train=False).eval  # model.teacher in this process
+    scores = scorer.score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
+                          ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
     path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
                       response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
                       logprob_dtype=torch.float16 if args.fp16 else torch.float32)
@@ -538,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "when it would be refused.")
     ck.add_argument("--config", required=True, help="YAML config file (docs/trainer.md lists every key)")
     ck.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted.key=value overrides (default: none)")
+    ck.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="check as N processes would run it (torchrun --nproc-per-node N: the tensor-parallel mesh, "
+                         "each rank's share of the prompts, what FSDP2 is not wired with; default: one process)")
     ck.set_defaults(fn=_cmd_check)
     return p
 

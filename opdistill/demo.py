@@ -33,7 +33,7 @@ from opdistill.data import PromptSource
 from opdistill.runs.compare import Group, load_runs, metric_sums, plot_groups, read_values
 from opdistill.runs.outputs import check_output_path
 from opdistill.runs.stats import paired_difference
-from opdistill.teachers import LocalTeacher
+from opdistill.teachers import TeacherContext, build_teacher
 from opdistill.train.config import load_config
 from opdistill.train.loop import build_task, load_models, run_eval, run_training
 
@@ -209,7 +209,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     task = build_task(base)
     held_out = PromptSource(task, seeds[0], base.data.eval_seed).held_out(eval_prompts)  # the same for every run
     log(f"evaluating the teacher on {len(held_out)} held-out problems ...")
-    teacher_eval = run_eval(base, tok, teacher, LocalTeacher(teacher), task, held_out)  # the teacher itself
+    own = build_teacher(base, TeacherContext(tokenizer=tok, models={"model.teacher": teacher}), train=False).eval
+    teacher_eval = run_eval(base, tok, teacher, own, task, held_out)  # the teacher itself, scored by itself
     log(f"teacher held-out: greedy acc {teacher_eval['eval/greedy_acc']:.3f}, "
         f"sampled acc {teacher_eval['eval/sampled_acc']:.3f}")
     start_state = {k: v.clone() for k, v in student0.state_dict().items()}

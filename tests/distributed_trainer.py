@@ -39,24 +39,24 @@ def record_rollouts(sink: dict, calls: list | None = None):
 
 
 class count_teacher_requests:
-    """Wrap ``Collector._score`` (where a training step asks its teacher: a server request, an in-process or
-    sharded forward) to record the steps this rank asked for; ``restore()`` puts the original back."""
+    """Wrap ``Collector.ask`` (where a training step asks its teacher: a server request, an in-process or sharded
+    forward) to record the steps this rank asked for; ``restore()`` puts the original back."""
 
     def __init__(self):
         from opdistill.train import collect
 
         self.steps: list[int] = []
-        self.cls, self.original = collect.Collector, collect.Collector._score
+        self.cls, self.original = collect.Collector, collect.Collector.ask
         original, steps = self.original, self.steps
 
-        def counting(collector, data, rows, step):
-            steps.append(step)
-            return original(collector, data, rows, step)
+        def counting(collector, batch):
+            steps.append(batch.step)
+            return original(collector, batch)
 
-        self.cls._score = counting
+        self.cls.ask = counting
 
     def restore(self) -> None:
-        self.cls._score = self.original
+        self.cls.ask = self.original
 
 
 class watch_sharded_decoding:

@@ -82,17 +82,17 @@ def _spy_collector(monkeypatch):
     from opdistill.train import collect
 
     seen = {"rows": [], "decoded": []}
-    score, generate = collect.Collector._score, engines.EngineSet.generate_rollouts
+    ask, generate = collect.Collector.ask, engines.EngineSet.generate_rollouts
 
-    def spy_score(self, data, rows, step):
-        seen["rows"].append(rows)
-        return score(self, data, rows, step)
+    def spy_ask(self, batch):
+        seen["rows"].append(batch.rows)
+        return ask(self, batch)
 
     def spy_generate(self, model, tok, prompts, **kw):
         seen["decoded"].append([list(p) for p in prompts])
         return generate(self, model, tok, prompts, **kw)
 
-    monkeypatch.setattr(collect.Collector, "_score", spy_score)
+    monkeypatch.setattr(collect.Collector, "ask", spy_ask)
     monkeypatch.setattr(engines.EngineSet, "generate_rollouts", spy_generate)
     return seen
 

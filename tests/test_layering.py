@@ -34,6 +34,7 @@ LAYERS = [
     ["opdistill.runs.values"],
     ["opdistill.runs.compare", "opdistill.runs.plot", "opdistill.runs"],
     # the trainer, bottom-up: parts, the step and what feeds it, the assembly, the loop
+    ["opdistill.train.rules"],
     ["opdistill.train.config", "opdistill.train.placement", "opdistill.train.lora", "opdistill.train.optim",
      "opdistill.train.tensor_parallel", "opdistill.train.wandb_log", "opdistill.train.interrupt"],
     ["opdistill.train.rundir", "opdistill.train.distributed"],

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, TeacherTopK
 from opdistill.errors import ConfigError
 from opdistill.train import load_config, run_training
+from opdistill.train.collect import Batch
 from opdistill.train.pipeline import Pipeline
 from opdistill.train.step import icepop_weights, rollout_mismatch
 from tests.reference import distillation_reference
@@ -129,19 +130,22 @@ class _Collect:
     def __init__(self, delay=0.0):
         self.delay, self.seen = delay, {}
 
-    def rollouts(self, step, model):
+    def make(self, step, model):
         time.sleep(self.delay)
         self.seen[step] = int(model.v.item())
-        return _Data(), {}
+        return Batch(step, _Data(), f"rows {step}", {"time/teacher_s": 0.0})
+
+    def ask(self, batch):  # the trainer's collector asks its teacher about the batch's rows
+        return self.teacher.submit(batch.rows, None)
+
+    def answer(self, batch, scores):  # the trainer's collector puts the scores into the batch
+        batch.data.scores = scores
 
     def reduce(self, local):  # the trainer's collector sums them over the ranks
         return dict(local)
 
     def share(self, data, local):  # the trainer's collector sends a tp leader's batch to its peers
         return data, local
-
-    def settle(self, data, local):  # the trainer's collector applies a cross-tokenizer teacher's mask and sums
-        pass
 
 
 @pytest.mark.parametrize("S", [1, 2, 3])
@@ -175,7 +179,7 @@ def test_a_batch_from_the_wrong_version_is_refused():
             student.v += 1
         pipe.publish(1, student)
         data, metrics = pipe.get(2)
-        pipe._ready[3] = (data, metrics, 0)  # as if step 3 had been made by version 0: two updates old
+        pipe._ready[3] = (Batch(3, data, None, metrics), metrics, 0)  # as if made by version 0: two updates old
         with pytest.raises(RuntimeError, match=r"step 3's batch came from weight version 0, 2 updates old "
                                                r"\(train.max_staleness=1\)"):
             pipe.get(3)
@@ -185,10 +189,10 @@ def test_a_batch_from_the_wrong_version_is_refused():
 
 def test_a_failure_in_the_thread_is_raised_for_its_step():
     class Failing(_Collect):
-        def rollouts(self, step, model):
+        def make(self, step, model):
             if step == 2:
                 raise ValueError("the teacher went away")
-            return super().rollouts(step, model)
+            return super().make(step, model)
 
     pipe = Pipeline(Failing(), _Versioned(), max_staleness=2, start=0, steps=4)
     try:
@@ -284,13 +288,13 @@ def test_s1_gives_the_same_numbers_whichever_stage_is_slow(tmp, s1_run, slow, mo
     from opdistill.train import collect as collect_mod, loop as loop_mod
 
     if slow == "collect":
-        original = collect_mod.Collector.rollouts
+        original = collect_mod.Collector.make
 
         def slowed(self, step, student):
             time.sleep(0.3)
             return original(self, step, student)
 
-        monkeypatch.setattr(collect_mod.Collector, "rollouts", slowed)
+        monkeypatch.setattr(collect_mod.Collector, "make", slowed)
     else:
         original = loop_mod.train_step
 
@@ -380,12 +384,6 @@ def test_a_collective_teacher_scores_in_the_trainers_thread_when_the_batch_is_ta
             super().__init__()
             self.teacher = Collective()
 
-        def rollouts(self, step, model):
-            data, local = super().rollouts(step, model)
-            data = _Data()
-            data.scores = self.teacher.submit(f"rows {step}", None)
-            return data, {**local, "time/teacher_s": 0.0}
-
     collect, student = Scoring(), _Versioned()
     pipe = Pipeline(collect, student, max_staleness=1, start=0, steps=3)
     try:
@@ -401,8 +399,9 @@ def test_a_collective_teacher_scores_in_the_trainers_thread_when_the_batch_is_ta
 
 
 def test_one_request_at_a_time_reaches_the_server():
+    """A teacher that answers in a background thread (a server): the pipeline's thread sends a batch's request once
+    the previous one is answered, and goes on making the next batch meanwhile."""
     from opdistill.teachers.base import Teacher, in_background
-    from opdistill.train.pipeline import OneAtATime
 
     class Slow(Teacher):
         background = True
@@ -423,10 +422,22 @@ def test_one_request_at_a_time_reaches_the_server():
         def submit(self, rows, request):
             return in_background(lambda: self.score(rows, request))
 
-    inner = Slow()
-    gate = OneAtATime(inner)
-    futures = [gate.submit(i, None) for i in range(4)]  # each call returns once the previous answer is in
-    assert [f.result() for f in futures] == [0, 1, 2, 3] and inner.most == 1
+    class Sending(_Collect):
+        def __init__(self):
+            super().__init__()
+            self.teacher = inner
+
+    inner, student = Slow(), _Versioned()
+    pipe = Pipeline(Sending(), student, max_staleness=3, start=0, steps=4)
+    try:
+        answers = []
+        for t in range(1, 5):
+            data, _ = pipe.get(t)
+            answers.append(data.scores.result())
+            pipe.publish(t, student)
+    finally:
+        pipe.close()
+    assert answers == [f"rows {t}" for t in range(1, 5)] and inner.most == 1
 
 
 def test_s1_through_a_teacher_server_equals_in_process(tmp, s1_run):
@@ -469,7 +480,7 @@ def test_s1_with_two_routed_teachers(tmp):
     assert len(rows) == 3 and all("teacher/a/loss" in r and "teacher/b/loss" in r for r in rows)
     assert [r["train/staleness"] for r in rows] == [0, 1, 1]
     from opdistill.train import collect as collect_mod
-    original = collect_mod.Collector.rollouts
+    original = collect_mod.Collector.make
 
     def slowed(self, step, student):
         time.sleep(0.2)
@@ -478,7 +489,7 @@ def test_s1_with_two_routed_teachers(tmp):
     again = dict(c, run_dir=str(tmp / "s1_multi_slow"))
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(collect_mod.Collector, "rollouts", slowed)
+        mp.setattr(collect_mod.Collector, "make", slowed)
         run_training(load_config(base=again), quiet=True)
     finally:
         mp.undo()
@@ -511,16 +522,16 @@ def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exac
                                     tmp / "lost_server.log", what="serve-teacher", timeout_s=90, env=env)
 
     server = start()
-    original = collect_mod.Collector.rollouts
+    original = collect_mod.Collector.ask
 
-    def collect(self, step, student):
-        if step == 3:
+    def ask(self, batch):  # step 3's request: sent once step 2's is answered (one request in flight)
+        if batch.step == 3:
             stop_server_process(server, grace_s=0)
-        return original(self, step, student)
+        return original(self, batch)
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(collect_mod.Collector, "rollouts", collect)
+        mp.setattr(collect_mod.Collector, "ask", ask)
         with pytest.raises(TeacherServiceError) as e:
             run_training(load_config(base=c), quiet=True)
     finally:

@@ -19,10 +19,16 @@ class _Member:
         g = torch.Generator().manual_seed(seed)
         self.head = LMHead(torch.randn(V, H, generator=g), None, 1.0, None, "stub")
 
+    def named(self):  # a single teacher: itself
+        return {"": self}
+
 
 class _Routed:
     def __init__(self):
         self.members = {"a": _Member(seed=1), "b": _Member(seed=2)}
+
+    def named(self):  # a composite: its members by name
+        return dict(self.members)
 
 
 def _rows(B=3, S=5, seed=0):

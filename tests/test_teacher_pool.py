@@ -303,7 +303,7 @@ def test_a_run_on_two_servers_survives_one_and_resumes_after_both(teacher, tmp_p
         if pipelined:  # train.max_staleness 1: the generator's thread makes and scores the batches ahead
             c["train"]["max_staleness"] = 1
             c["rollout"] = dict(cfg["rollout"], correction="tis", tis_cap=2.0)
-        where = "rollouts" if pipelined else "__call__"  # what makes a step's batch (in the thread when pipelined)
+        where = "make" if pipelined else "__call__"  # what makes a step's batch (in the thread when pipelined)
         original = getattr(Collector, where)
 
         def collect(self, step, student):

@@ -161,6 +161,47 @@ def test_check_prints_the_resolved_config_and_refuses_without_loading(cfg_file, 
     assert len(err) == 1 and err[0].startswith("opdistill check: config error: loss.topk") and "999" in err[0]
 
 
+@pytest.mark.parametrize("args, line", [
+    (["distributed.tp_size=2", "model.lora={r: 4}"],
+     "model.lora: not supported with distributed.tp_size > 1 (the adapters would sit on a vocabulary-sharded "
+     "lm_head); set distributed.tp_size=1"),
+    (["distributed.tp_size=2", "train.fused_lm_head=true"],
+     "train.fused_lm_head: not supported with distributed.tp_size > 1 (the vocab-parallel lm_head already keeps "
+     "only [tokens, V/tp] logits); set train.fused_lm_head=false"),
+    (["--nproc", "3", "distributed.strategy=fsdp2", "train.fused_lm_head=true"],
+     "train.fused_lm_head: not supported with distributed.strategy=fsdp2 (the fused loss reads the whole lm_head); "
+     "use distributed.strategy=ddp or train.fused_lm_head=false"),
+    (["distributed.tp_size=2", "distributed.strategy=ddp"],
+     "distributed.tp_size=2: needs distributed.strategy=fsdp2 (DDP over a tensor-parallel student is not wired in "
+     "this version), got ddp"),
+    (["model.lora={target_modules: [q_proj, lm_head]}"],
+     "model.lora.target_modules: lm_head is frozen in opdistill (the teacher signal and the fused path read its "
+     "weight); remove it, got ['q_proj', 'lm_head']"),
+    (["--nproc", "3", "distributed.tp_size=2"],
+     "distributed.tp_size: expected a divisor of the world size 3 (the ranks form a (data-parallel, "
+     "tensor-parallel) mesh of 3 / tp_size x tp_size), got 2"),
+])
+def test_check_refuses_what_torchrun_or_the_model_load_would(cfg_file, capsys, monkeypatch, args, line):
+    """What the config alone decides is refused by ``opdistill check`` (and ``--nproc N``: as N processes would
+    run it) in one line, exit 2, with the message the run itself would give later, before any model loads."""
+    from opdistill.train import assemble
+
+    monkeypatch.setattr(assemble, "load_models", lambda *a, **k: pytest.fail("check loaded a model"))
+    assert main(["check", "--config", str(cfg_file), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"opdistill check: config error: {line}"]
+
+
+def test_check_as_several_processes(cfg_file, capsys):
+    assert main(["check", "--config", str(cfg_file), "--nproc", "3", "data.prompts_per_step=3"]) == 0
+    assert "pass every check made before loading as 3 processes (torchrun --nproc-per-node 3)" in \
+        capsys.readouterr().err
+    assert main(["check", "--config", str(cfg_file), "--nproc", "2", "data.prompts_per_step=3"]) == 2
+    assert capsys.readouterr().err.strip() == ("opdistill check: config error: data.prompts_per_step: expected a "
+                                               "multiple of the data-parallel size 2 (each rank samples an equal "
+                                               "share of the step's prompts), got 3")
+
+
 def test_warnings_of_other_libraries_are_labelled_as_theirs():
     import transformers
 

@@ -264,11 +264,11 @@ def test_vllm_rollouts_with_a_teacher_of_another_tokenizer(demo, student_engine,
     from opdistill.train.config import load_config
 
     seen = []
-    real_score = collect_mod.Collector._score
+    real_answer = collect_mod.Collector.answer
 
-    def recording(self, data, rows, step):
-        real_score(self, data, rows, step)
-        seen.append((rows, data.scores))
+    def recording(self, batch, scores):
+        real_answer(self, batch, scores)
+        seen.append((batch.rows, batch.data.scores))
 
     def fake_open(cfg, tok_, student_, resolve):
         student_engine.push(student_)
@@ -276,7 +276,7 @@ def test_vllm_rollouts_with_a_teacher_of_another_tokenizer(demo, student_engine,
                          mismatch=dict(temperature=cfg.rollout.temperature, tis_cap=cfg.rollout.tis_cap))
 
     monkeypatch.setattr(assemble, "open_engines", fake_open)
-    monkeypatch.setattr(collect_mod.Collector, "_score", recording)
+    monkeypatch.setattr(collect_mod.Collector, "answer", recording)
     monkeypatch.setattr(student_engine, "close", lambda: None)
     cfg = load_config(base=_engines_config(
         tmp_path / "run", model={"teacher": "builtin:demo-teacher-bpe"}, teacher={"engine": "hf"},

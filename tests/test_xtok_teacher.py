@@ -80,7 +80,7 @@ def test_same_tokenizer_gives_the_same_losses_and_gradients(which, dtype, tol):
         sampled = family[0] == "sampled"
         req = ScoreRequest(k=None if sampled else K, sampled=sampled)
         same, mapped = local.score(rows, req), cross.score(rows, req)
-        assert bool(mapped.mask.all()) and mapped.xtok["exact"] == mapped.xtok["positions"]
+        assert bool(mapped.mask.all()) and mapped.sums["exact"] == mapped.sums["positions"]
         g = torch.Generator().manual_seed(5)
         base = torch.randn(*rows.input_ids.shape, len(tok), generator=g, dtype=dtype)
         out = []
@@ -107,10 +107,10 @@ def test_demo_pair_scores_every_position_and_counts():
     got = cross.score(rows, ScoreRequest(k=8, sampled=True))
     scored = rows.scored()
     assert got.mask[scored].all()
-    assert got.xtok["positions"] == float(scored.sum()) and got.xtok["masked"] == 0
-    assert 0 < got.xtok["exact"] < got.xtok["positions"]
+    assert got.sums["positions"] == float(scored.sum()) and got.sums["masked"] == 0
+    assert 0 < got.sums["exact"] < got.sums["positions"]
     mass = got.topk.logprobs.exp().sum(-1)[scored]
-    assert (mass <= 1 + 1e-5).all() and got.xtok["residual"] / got.xtok["positions"] < 0.05
+    assert (mass <= 1 + 1e-5).all() and got.sums["residual"] / got.sums["positions"] < 0.05
     # the correct solutions: the teacher (0.99 accurate) puts most of its mass on the student's next character
     lp = got.sampled_logprobs[0][scored[0]]
     assert lp.exp().mean() > 0.9

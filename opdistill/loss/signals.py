@@ -68,8 +68,9 @@ class TeacherScores:
                         scale, soft-cap), held once by the trainer
     mask                ``[B, S]`` bool: False at a scored position the teacher has no signal for (a cross-tokenizer
                         teacher, SPEC 6.6: the trainer drops those tokens from the step and counts them); None: all
-    xtok                a cross-tokenizer teacher's sums over the rows (``positions``, ``exact``, ``masked``,
-                        ``residual``: opdistill/xtok/bpm.py), which the trainer turns into ``xtok/*`` metrics
+    sums                named sums over the rows that the teacher turns into step metrics once they are summed over
+                        the step on every rank (``Teacher.step_metrics``: a cross-tokenizer teacher's ``positions``,
+                        ``exact``, ``masked``, ``residual`` -> ``xtok/*``); None: none
     """
 
     topk: TeacherTopK | None = None
@@ -79,7 +80,7 @@ class TeacherScores:
     head: object = None
     requested_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    xtok: dict | None = None
+    sums: dict | None = None
 
     def micro(self, rows: torch.Tensor, length: int) -> "TeacherScores":
         """The scores of rows ``rows`` (index tensor) and their first ``length`` positions (one micro-batch)."""
@@ -99,7 +100,7 @@ class TeacherScores:
         topk = None if self.topk is None else TeacherTopK(move(self.topk.ids), move(self.topk.logprobs),
                                                           validated=self.topk.validated)
         return TeacherScores(topk, move(self.sampled_logprobs), move(self.requested_logprobs), move(self.hidden),
-                             self.head, move(self.requested_ids), move(self.mask), self.xtok)
+                             self.head, move(self.requested_ids), move(self.mask), self.sums)
 
     @staticmethod
     def join(parts: list["TeacherScores"], order: torch.Tensor) -> "TeacherScores | GroupedScores":
@@ -120,18 +121,18 @@ class TeacherScores:
         if parts[0].topk is not None:
             topk = TeacherTopK(cat([p.topk.ids for p in parts]), cat([p.topk.logprobs for p in parts]),
                                validated=all(p.topk.validated for p in parts))
-        mask = xtok = None
+        mask = sums = None
         if any(p.mask is not None for p in parts):  # a member without one scored every position it was asked
             mask = cat([p.mask if p.mask is not None else torch.ones(p.scored_shape(), dtype=torch.bool)
                         for p in parts])
-        if any(p.xtok is not None for p in parts):
-            xtok = {}
+        if any(p.sums is not None for p in parts):
+            sums = {}
             for p in parts:
-                for name, v in (p.xtok or {}).items():
-                    xtok[name] = xtok.get(name, 0.0) + v
+                for name, v in (p.sums or {}).items():
+                    sums[name] = sums.get(name, 0.0) + v
         return TeacherScores(topk, cat([p.sampled_logprobs for p in parts]),
                              cat([p.requested_logprobs for p in parts]), cat([p.hidden for p in parts]),
-                             parts[0].head, cat([p.requested_ids for p in parts]), mask, xtok)
+                             parts[0].head, cat([p.requested_ids for p in parts]), mask, sums)
 
     def scored_shape(self) -> tuple:
         """``(B, S)`` of the rows these scores are of."""

@@ -57,10 +57,11 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opdistill.engines.vllm import INSTALL_HINT, VllmEngine, vllm_available
+from opdistill.engines.vllm import INSTALL_HINT, vllm_available
 from opdistill.errors import UserError
 from opdistill.models import resolve_model_path
 from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
+from opdistill.teachers.build import server_teacher
 from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.http import read_token_file
 from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
@@ -159,7 +160,7 @@ class TeacherService:
         self.max_requested_ids = max_requested_ids
         # the hidden-state payload (loss_mode full): an engine that holds the model's head says so; every engine
         # answers the same /info fields (hidden: false, nulls, where it cannot send hidden states)
-        self.head = teacher.head if isinstance(teacher, LocalTeacher) else None
+        self.head = teacher.head
         head_info = ({"hidden": False, "hidden_size": None, "lm_head_sha256": None} if self.head is None else
                      {"hidden": True, "hidden_size": int(self.head.weight.shape[1]),
                       "lm_head_sha256": head_sha256(self.head.weight, self.head.bias)})
@@ -568,17 +569,12 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
         if fingerprint is None:  # a folder the streaming hash cannot reproduce: load the model once, then free it
             fingerprint = teacher_fingerprint(load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                          key="--model"))
-        # sleep off: a server scores request after request (sleep mode would offload the weights after each)
         most = min(max_k, fingerprint["teacher_vocab_size"])
-        from opdistill.teachers.vllm import VllmTeacher
-
-        teacher = VllmTeacher(VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=most,
-                                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                         sleep=False, trust_remote_code=trust_remote_code))
     else:
-        fingerprint = None
-        model_ = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key="--model")
-        teacher = LocalTeacher(model_.requires_grad_(False), key="--model")
+        fingerprint, most = None, max_k
+    teacher = server_teacher(path, engine=engine, dtype=dtype, trust_remote_code=trust_remote_code,
+                             max_logprobs=most, max_model_len=max_model_len,
+                             gpu_memory_utilization=gpu_memory_utilization)
     try:
         svc = TeacherService(teacher, tok, model_id=model, max_k=max_k, fingerprint=fingerprint)
         app = create_app(svc, token=token, max_batch_tokens=max_batch_tokens, max_request_tokens=max_request_tokens,

@@ -32,7 +32,7 @@ from opdistill.batch import shift_for_next_token
 from opdistill.errors import UserError
 from opdistill.loss import TeacherScores
 
-__all__ = ["Rows", "ScoreRequest", "Teacher", "TeacherError", "done", "in_background"]
+__all__ = ["Rows", "ScoreRequest", "Teacher", "WrappedTeacher", "TeacherError", "done", "in_background"]
 
 
 class TeacherError(UserError, ValueError):
@@ -151,14 +151,21 @@ class Teacher(abc.ABC):
     key: str = "teacher"
     #: True: :meth:`submit` runs the request in a background thread (a remote teacher with ``overlap``)
     background: bool = False
-    #: True: :meth:`submit` only records the request, which its caller scores later (the pipelined step's wrapper of a
-    #: collective teacher, opdistill/train/pipeline.py)
-    deferred: bool = False
     #: True: :meth:`score` runs collectives on the run's group (a sharded teacher): every rank calls it at the same
     #: point, from the trainer's thread (the pipelined step scores it there: opdistill/train/pipeline.py)
     collective: bool = False
     #: what computes the scores, as a teacher server's ``/info`` names it
     engine_name: str = "hf"
+    #: the names of the sums its answers carry (``TeacherScores.sums``), which :meth:`step_metrics` reads
+    sum_names: tuple = ()
+    #: what it cannot answer, by capability, each with the end of the sentence that says why (the config's rules read
+    #: it to refuse a setting before anything loads: opdistill/train/rules.py): ``hidden`` (its final hidden states,
+    #: ``loss.loss_mode: full``), ``requested`` (log-probs at ids the caller names, ``loss.support: union``),
+    #: ``mapped`` (what a cross-tokenizer teacher reads of the teacher it wraps, ``xtok.mode``)
+    cannot: dict = {}
+    #: True: its answers may carry a mask (positions without a signal, ``TeacherScores.mask``), which decides the
+    #: step's rows: a caller waits for the answer before it plans the step (a cross-tokenizer teacher)
+    masks: bool = False
 
     @property
     def limits(self) -> dict:
@@ -187,6 +194,27 @@ class Teacher(abc.ABC):
         reports nothing."""
         return {}
 
+    def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """A step's metrics from the sums its scores carried (``TeacherScores.sums``), summed over the step's rows on
+        every rank (a cross-tokenizer teacher's ``xtok/*``); the default: none."""
+        return {}
+
+    @property
+    def head(self):
+        """The output head that turns this teacher's hidden states into its logits (``opdistill.fused.LMHead``:
+        loss_mode full), or None: a teacher that sends no hidden states, or several heads (a composite: each
+        member's, :meth:`named`)."""
+        return None
+
+    def named(self) -> dict[str, "Teacher"]:
+        """The teachers that score this one's rows, by name: a composite's members, else ``{"": self}``."""
+        return {"": self}
+
+    def served_by(self) -> "Teacher | None":
+        """The client of the server(s) whose identity (``url``, ``/info``) stands for this teacher's scores (what a
+        run records of it), or None for a teacher in this process."""
+        return None
+
     def close(self) -> None:
         """Release what the teacher holds (connections, engines); the default holds nothing."""
 
@@ -195,3 +223,44 @@ class Teacher(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class WrappedTeacher(Teacher):
+    """A teacher around another (``inner``) that changes how rows are asked or answered (a cache, another tokenizer,
+    the teacher's own prompts): everything it does not override is the inner teacher's (its key, whether it answers
+    in a background thread or by a collective, its engine, limits, groups, metrics, head, members, server), and
+    closing it closes the inner teacher. ``inner`` None (a cache that stands alone): the defaults of
+    :class:`Teacher`."""
+
+    def __init__(self, inner: Teacher | None):
+        self.inner = inner
+        if inner is not None:
+            self.key, self.background, self.collective = inner.key, inner.background, inner.collective
+            self.engine_name, self.sum_names, self.masks = inner.engine_name, inner.sum_names, inner.masks
+
+    @property
+    def limits(self) -> dict:
+        return super().limits if self.inner is None else self.inner.limits
+
+    def groups(self, rows: Rows):
+        return None if self.inner is None else self.inner.groups(rows)
+
+    def metrics(self) -> dict[str, float]:
+        return {} if self.inner is None else self.inner.metrics()
+
+    def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {} if self.inner is None else self.inner.step_metrics(sums)
+
+    @property
+    def head(self):
+        return None if self.inner is None else self.inner.head
+
+    def named(self) -> dict[str, Teacher]:
+        return {"": self} if self.inner is None else self.inner.named()
+
+    def served_by(self) -> Teacher | None:
+        return None if self.inner is None else self.inner.served_by()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

@@ -47,7 +47,8 @@ from opdistill.teachers.sharded import ShardedTeacher
 from opdistill.teachers.stock_vllm import StockVllmTeacher
 from opdistill.teachers.xtok import CrossTokenizerTeacher
 
-__all__ = ["TeacherContext", "Teachers", "build_teacher", "connect"]
+__all__ = ["TeacherContext", "TeacherSource", "Teachers", "build_teacher", "connect", "server_teacher",
+           "teacher_sources"]
 
 
 @dataclass
@@ -82,6 +83,40 @@ class Teachers:
     def close(self) -> None:
         for t in {id(t): t for t in (self.train, self.eval) if t is not None}.values():
             t.close()
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """A teacher class a config's setting chooses (:func:`teacher_sources`): ``key`` and ``value`` of that setting,
+    ``setting`` as a message names it, ``default``: the value that does not choose it."""
+
+    cls: type
+    key: str
+    value: object
+    setting: str
+    default: object
+
+
+def teacher_sources(cfg) -> list[TeacherSource]:
+    """The teacher classes the config's settings choose other than the models scored in this process by
+    :class:`LocalTeacher` (what the config's rules read ``Teacher.cannot`` of, before anything loads), in the order
+    the rules ask: the teacher cache, a vLLM teacher engine, a stock ``vllm serve`` endpoint (``teacher.api``), and
+    each named teacher's endpoint."""
+    from opdistill.teachers.vllm import VllmTeacher
+
+    out = []
+    if cfg.data.teacher_cache is not None:
+        out.append(TeacherSource(CachedTeacher, "data.teacher_cache", cfg.data.teacher_cache, "data.teacher_cache",
+                                 None))
+    if cfg.teacher.engine == "vllm":
+        out.append(TeacherSource(VllmTeacher, "teacher.engine", "vllm", "teacher.engine vllm", "hf"))
+    if cfg.teacher.api == "vllm":
+        out.append(TeacherSource(StockVllmTeacher, "teacher.api", "vllm", "teacher.api vllm", "opdistill"))
+    for i, t in enumerate(cfg.teachers or []):
+        if t.api == "vllm":
+            out.append(TeacherSource(StockVllmTeacher, f"teachers.{i}.api", "vllm", f"teachers.{i}.api vllm",
+                                     "opdistill"))
+    return out
 
 
 def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
@@ -277,3 +312,22 @@ def _teachers(cfg, context: TeacherContext, *, train: bool) -> Teachers:
     if cfg.teacher.engine == "vllm":
         return Teachers(_vllm(cfg, context), local)
     return Teachers(local, local)
+
+
+def server_teacher(path: str, *, engine: str = "hf", dtype: str = "float32", trust_remote_code: bool = False,
+                   max_logprobs: int = 20, max_model_len: int | None = None,
+                   gpu_memory_utilization: float = 0.9, key: str = "--model") -> Teacher:
+    """The teacher a teacher server scores with (``opdistill serve-teacher``): the model of folder ``path`` in this
+    process (``engine`` hf: every request, at any temperature) or a vLLM engine of it (``vllm``: prompt log-probs,
+    up to ``max_logprobs`` per position, never put to sleep: a server scores request after request)."""
+    if engine == "vllm":
+        from opdistill.engines.vllm import VllmEngine
+        from opdistill.teachers.vllm import VllmTeacher
+
+        return VllmTeacher(VllmEngine(path, role="teacher", dtype=dtype, max_logprobs=max_logprobs,
+                                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                      sleep=False, trust_remote_code=trust_remote_code))
+    from opdistill.models import load_model
+
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, key=key)
+    return LocalTeacher(model.requires_grad_(False), key=key)

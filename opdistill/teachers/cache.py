@@ -26,7 +26,7 @@ import torch
 from opdistill.errors import UserError
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.teachers.answers import LOGPROB_TOL  # a stored log-prob may exceed 0 by this much (one home)
-from opdistill.teachers.base import Rows, ScoreRequest, Teacher
+from opdistill.teachers.base import Rows, ScoreRequest, Teacher, WrappedTeacher
 from opdistill.teachers.fingerprint import (canonical_json, hash_tensors, opdistill_version, teacher_fingerprint,
                                             tokenizer_fingerprint)
 
@@ -276,13 +276,17 @@ def _row_key(ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor)
     return tuple(ids[keep].tolist()), tuple(response[keep].tolist())
 
 
-class CachedTeacher(Teacher):
+class CachedTeacher(WrappedTeacher):
     """Scores from a loaded cache (:func:`load_cache`'s dict): each row is looked up by its tokens and response mask;
     rows the cache does not hold are scored by ``inner`` (a Teacher) or refused when ``inner`` is None. Only what the
     cache stored can be answered from it: top-k at its K, sampled-token log-probs, temperature 1."""
 
+    cannot = {"hidden": "a teacher cache does not hold", "mapped": "reads each prompt's text, which a cache's rows do "
+              "not keep"}
+
     def __init__(self, cache: dict, *, inner: Teacher | None = None, key: str = "data.teacher_cache"):
-        self.cache, self.inner, self.key = cache, inner, key
+        super().__init__(inner)
+        self.cache, self.key = cache, key
         ids, am, rm = cache["input_ids"], cache["attention_mask"], cache["response_mask"]
         self._index: dict[tuple, int] = {}
         for i in range(ids.shape[0]):
@@ -343,7 +347,3 @@ class CachedTeacher(Teacher):
             topk = TeacherTopK(fit(s.topk.ids, 0), fit(s.topk.logprobs, float("-inf")), validated=s.topk.validated)
         sampled = fit(s.sampled_logprobs, 0.0) if request.sampled else None
         return TeacherScores(topk, sampled)
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()

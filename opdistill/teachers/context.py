@@ -28,41 +28,22 @@ import torch
 from opdistill.data import render_prompts
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.loss.signals import GroupedScores
-from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError
+from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError, WrappedTeacher
 
 __all__ = ["ContextTeacher"]
 
 
-class ContextTeacher(Teacher):
+class ContextTeacher(WrappedTeacher):
     """``inner`` scoring each row's response under the row's ``teacher_prompts`` entry (module notes);
     ``tokenizer``: the student's (x' in its tokens; a cross-tokenizer ``inner`` renders x' again in its own)."""
 
     def __init__(self, inner: Teacher, tokenizer, *, use_chat_template: bool = True, max_positions: int | None = None):
+        super().__init__(inner)  # its groups: by the rows' tags, the teacher's rows being the student's row for row
         # its own copy: the pipelined step scores in another thread than the evaluation's rendering, and a fast
         # tokenizer refuses two threads at once
-        self.inner, self.tokenizer, self.use_chat_template = inner, copy.deepcopy(tokenizer), use_chat_template
+        self.tokenizer, self.use_chat_template = copy.deepcopy(tokenizer), use_chat_template
         self.max_positions = max_positions  # the teacher's positions, when known: a longer row is refused
-        self.key, self.background, self.collective = inner.key, inner.background, inner.collective
-        self.engine_name = inner.engine_name
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    @property
-    def limits(self) -> dict:
-        return self.inner.limits
-
-    def __getattr__(self, name):
-        if name in ("head", "members"):  # what train/ reads of a teacher it holds (its head, a composite's members)
-            return getattr(self.inner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def groups(self, rows: Rows):
-        return self.inner.groups(rows)  # tags only: the teacher's rows are the student's, row for row
-
-    def metrics(self) -> dict[str, float]:
-        return self.inner.metrics()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def teacher_rows(self, rows: Rows) -> tuple[Rows, torch.Tensor, torch.Tensor]:
         """(the teacher's rows ``x' + y``, each row's response start on the student's side ``p_s`` [B], and the shift
@@ -128,4 +109,4 @@ def _back(got, p_s: torch.Tensor, shift: torch.Tensor, width: int):
     topk = None if got.topk is None else TeacherTopK(move(got.topk.ids, 0), move(got.topk.logprobs, float("-inf")),
                                                      validated=got.topk.validated)
     return TeacherScores(topk, move(got.sampled_logprobs, 0.0), move(got.requested_logprobs, float("-inf")),
-                         move(got.hidden, 0.0), got.head, None, move(got.mask, True), got.xtok)
+                         move(got.hidden, 0.0), got.head, None, move(got.mask, True), got.sums)

@@ -207,5 +207,8 @@ class HttpTeacher(Teacher):
     def bytes_received(self) -> int:
         return self.http.bytes_received
 
+    def served_by(self) -> "HttpTeacher":
+        return self
+
     def close(self) -> None:
         self.http.close()

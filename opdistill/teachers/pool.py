@@ -271,6 +271,9 @@ class TeacherPool(Teacher):
     def bytes_received(self) -> int:
         return sum(s.client.bytes_received for s in self.servers)
 
+    def served_by(self) -> "TeacherPool":
+        return self  # its url (every server's) and info (their common identity)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for s in self.servers:

@@ -90,6 +90,24 @@ class RoutedTeacher(Teacher):
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         return self.submit(rows, request).result()
 
+    def named(self) -> dict[str, Teacher]:
+        return dict(self.members)
+
+    @property
+    def masks(self) -> bool:
+        return any(m.masks for m in self.members.values())
+
+    @property
+    def sum_names(self) -> tuple:
+        """Every member's sum names (a cross-tokenizer member's), once each, in the members' order."""
+        return tuple(dict.fromkeys(n for m in self.members.values() for n in m.sum_names))
+
+    def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in self.members.values():
+            out.update(m.step_metrics({n: sums[n] for n in m.sum_names}))
+        return out
+
     def metrics(self) -> dict[str, float]:
         """Each member's metrics under ``teacher/<name>/`` (``teacher/server/0/requests`` of member ``a``:
         ``teacher/a/server/0/requests``)."""

@@ -29,6 +29,9 @@ class StockVllmTeacher(HttpTeacher):
     ``/v1/models``); ``overlap`` and the other keyword arguments as :class:`~opdistill.teachers.remote.RemoteTeacher`'s
     (the payload is always vLLM's JSON)."""
 
+    cannot = {"hidden": "a stock vllm serve endpoint does not return", "requested": "which a stock vllm serve "
+              "endpoint cannot answer", "mapped": "needs its top-k and sampled log-probs together"}
+
     def __init__(self, url: str, *, model: str | None = None, overlap: bool = False, token_file: str | None = None,
                  timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5, key: str = "teacher.url"):
         self.http = HttpClient(url, token_file=token_file, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,

@@ -20,6 +20,9 @@ class VllmTeacher(Teacher):
     """The teacher side of an :class:`~opdistill.engines.vllm.VllmEngine` (role ``teacher``). ``limits`` is what
     the engine cannot do, as a teacher server states it in ``/info``."""
 
+    cannot = {"hidden": "vLLM's prompt log-probs do not carry", "requested": "which vLLM's prompt log-probs cannot "
+              "answer", "mapped": "is scored through opdistill's own teachers"}
+
     engine_name = "vllm"
 
     def __init__(self, engine, *, key: str = "teacher.engine"):

@@ -28,16 +28,18 @@ import torch
 
 from opdistill.data import render_prompts
 from opdistill.loss import TeacherScores, TeacherTopK
-from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError
+from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError, WrappedTeacher
 from opdistill.xtok import RowText, VocabMap, map_rows, token_bytes
 
 __all__ = ["CrossTokenizerTeacher", "WINDOW"]
 
 #: how far back (in the teacher's longest token lengths) a prefix is re-tokenized to find where its context stops
 WINDOW = 4
+#: the sums each answer carries (opdistill/xtok/bpm.py), summed over a step's rows on every rank
+SUM_NAMES = ("positions", "exact", "masked", "residual")
 
 
-class CrossTokenizerTeacher(Teacher):
+class CrossTokenizerTeacher(WrappedTeacher):
     """``inner`` (a teacher in the teacher tokenizer's ids) answering in the student's tokens (module notes).
 
     ``student_tok`` / ``teacher_tok``: the two tokenizers; ``mode``: "bpm" or "sampled"; ``teacher_topk``: the
@@ -48,8 +50,11 @@ class CrossTokenizerTeacher(Teacher):
                  use_chat_template: bool = True, teacher_width: int | None = None, key: str | None = None):
         if mode not in ("bpm", "sampled"):
             raise ValueError(f"xtok.mode: expected bpm or sampled, got {mode!r}")
-        self.inner, self.mode = inner, mode
+        super().__init__(inner)
+        self.mode = mode
         self.key = key or inner.key
+        self.background = False  # it maps in the caller's thread: its mask decides the step's rows
+        self.sum_names, self.masks = SUM_NAMES, True
         self.student_tok, self.teacher_tok = student_tok, teacher_tok
         self.use_chat_template = use_chat_template
         self.vmap = VocabMap(token_bytes(student_tok, "model.student's tokenizer"),
@@ -58,8 +63,6 @@ class CrossTokenizerTeacher(Teacher):
         self.same = student_tok.get_vocab() == teacher_tok.get_vocab() and self.vmap.student.table == \
             self.vmap.teacher.table
         self._content = {i: content for content, i in self.vmap.student.specials.items()}
-        self.collective = inner.collective
-        self.engine_name = inner.engine_name
         self._backend = teacher_tok.backend_tokenizer  # a fast tokenizer (token_bytes refused any other)
         self._closed = [False]  # shared by the copies of with_mode: the teacher they wrap is closed once
 
@@ -77,11 +80,13 @@ class CrossTokenizerTeacher(Teacher):
     def limits(self) -> dict:
         return dict(self.inner.limits, max_requested_ids=0)
 
-    def groups(self, rows: Rows):
-        return self.inner.groups(rows)
-
-    def metrics(self) -> dict[str, float]:
-        return self.inner.metrics()
+    def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """``xtok/exact_frac`` and ``xtok/masked_frac`` (shares of the scored positions), ``xtok/residual_mass``
+        (mean over the positions with a signal), token-weighted over the step (SPEC 6.6)."""
+        positions, masked = sums["positions"], sums["masked"]
+        n = max(positions, 1.0)
+        return {"xtok/exact_frac": sums["exact"] / n, "xtok/masked_frac": masked / n,
+                "xtok/residual_mass": sums["residual"] / max(positions - masked, 1.0)}
 
     def close(self) -> None:
         if not self._closed[0]:
@@ -248,4 +253,4 @@ class CrossTokenizerTeacher(Teacher):
             sampled[out.row[out.mask], pos[out.mask]] = out.sampled[out.mask].to(dtype)
         stats = {"positions": float(out.row.numel()), "exact": float(out.exact.sum()),
                  "masked": float((~out.mask).sum()), "residual": float(out.residual.sum())}
-        return TeacherScores(topk, sampled, mask=mask, xtok=stats)
+        return TeacherScores(topk, sampled, mask=mask, sums=stats)

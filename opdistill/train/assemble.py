@@ -49,6 +49,7 @@ from opdistill.train.pipeline import Pipeline
 from opdistill.train.placement import place_models, run_device
 from opdistill.train.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
                                        check_finite_weights, check_loaded, check_model_folders, resolve_folder)
+from opdistill.train.rules import check_layout
 from opdistill.train.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.wandb_log import open_wandb
@@ -341,10 +342,14 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
     return tok, task, source, held_out, open_teacher_cache(cfg, tok), context
 
 
-def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext()) -> dict:
+def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: int | None = None) -> dict:
     """``opdistill check`` (a dry run): every refusal :func:`assemble` makes before loading a weight (the config, the
     process layout, the model folders' metadata, the data, the teacher cache), and nothing else: no lock, no file
-    written, no weight read. Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
+    written, no weight read. ``nproc``: check as that many processes would run it (torchrun's world size; default:
+    this process's). Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
+    if nproc is not None and nproc > 1:
+        dp = check_layout(cfg, nproc)  # opdistill/train/rules.py: what torchrun's start-up refuses
+        ctx = DistContext(rank=0, world=nproc, dp_rank=0, dp_world=dp)
     tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, None)
     return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
 
@@ -449,10 +454,9 @@ def _teacher_heads(teacher) -> dict[str, str]:
     """{where the teacher comes from: SHA-256 of its lm_head} for the hidden-state payload (each routed member)."""
     from opdistill.teachers.wire import head_sha256
 
-    members = getattr(teacher, "members", {"": teacher})
     out = {}
-    for name, t in members.items():
-        head = getattr(t, "head", None)
+    for name, t in teacher.named().items():
+        head = t.head
         if head is not None:
             out[f"{t.key}" + (f" ({name})" if name else "")] = head_sha256(head.weight, head.bias)
     return out

@@ -1,7 +1,12 @@
 """One step's data: the step's prompts, the rows that answer them, the teacher's scores, rewards and advantages.
 
-    prompts(seed, step, this rank's share) -> rows (the student samples; the teacher for off-policy KD; or the next
-      rows of a teacher cache) -> teacher.submit(rows, request) -> rewards -> advantages -> StepData + metrics
+    make:   prompts(seed, step, this rank's share) -> rows (the student samples; the teacher for off-policy KD; or
+            the next rows of a teacher cache) -> rewards -> advantages -> Batch (StepData, the teacher's Rows, metrics)
+    ask:    teacher.submit(rows, request) -> a Future
+    answer: the scores into the StepData (a mask the teacher sends leaves the step; the sums it sends, metrics)
+
+The sequential loop runs the three in a row (:meth:`Collector.rollouts`); the pipelined step makes rows in its own
+thread and decides where the teacher is asked (opdistill/train/pipeline.py).
 
 Sampling is reseeded from (seed, step) at every step and keyed by (seed, step, global prompt index, sample index)
 (``opdistill.engines.sampler``), so a resumed run, and a run at another world size, draws the same samples. Under
@@ -15,17 +20,19 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from opdistill.data import PromptSource, Task, TeacherPrompt, render_prompt
 from opdistill.engines.vllm import EngineSet
+from opdistill.loss import TeacherScores
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.distributed import DistContext
 from opdistill.train.share import share_step
 from opdistill.train.step import StepData, group_advantages
 
-__all__ = ["Collector", "needs_sampler_logprobs", "score_request", "student_choices", "union_ids"]
+__all__ = ["Batch", "Collector", "needs_sampler_logprobs", "score_request", "student_choices", "union_ids"]
 
 
 def needs_sampler_logprobs(cfg, engines: EngineSet | None = None) -> bool:
@@ -57,6 +64,18 @@ def student_choices(input_ids: torch.Tensor, sampler_topk: torch.Tensor) -> torc
     sampled token; the last column of the last row repeats it), the ids a union-support loss has the teacher score."""
     nxt = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
     return torch.cat([sampler_topk, nxt[..., None]], dim=-1)
+
+
+@dataclass
+class Batch:
+    """One step's rows on this rank before (or with) the teacher's scores: the step, its :class:`StepData`, the
+    :class:`Rows` the teacher scores (None without a teacher) and the local metrics (``sums``: reduced over the
+    ranks by :meth:`Collector.reduce`)."""
+
+    step: int
+    data: StepData
+    rows: Rows | None
+    local: dict
 
 
 class Collector:
@@ -92,9 +111,21 @@ class Collector:
 
     def rollouts(self, step: int, student) -> tuple[StepData, dict]:
         """Step ``step``'s rows and scores on this rank, and its metrics before they are reduced over the ranks
-        (:meth:`reduce`): no collective of the trainer's runs here (a teacher's own, or a vLLM engine's over the tp
-        ranks, on their own groups), so the pipelined step's thread can make them while the trainer's collectives
-        run."""
+        (:meth:`reduce`): :meth:`make`, then the teacher asked (:meth:`ask`) and answered (:meth:`answer`), waited
+        for unless it answers in a background thread and its answer does not decide the step's rows (``masks``)."""
+        batch = self.make(step, student)
+        if batch.rows is not None:
+            t0 = time.perf_counter()
+            fut = self.ask(batch)
+            self.answer(batch, fut if self.teacher.background and not self.teacher.masks else fut.result())
+            batch.local["time/teacher_s"] = time.perf_counter() - t0
+        return batch.data, batch.local
+
+    def make(self, step: int, student) -> "Batch":
+        """Step ``step``'s rows on this rank (the student's samples, or the teacher's for off-policy KD), their
+        rewards and advantages and the local metrics; the rows the teacher is to score (None without a teacher). No
+        collective of the trainer's runs here (a vLLM engine's over the tp ranks runs on its own group), so the
+        pipelined step's thread can make them while the trainer's collectives run."""
         cfg = self.cfg
         t0 = time.perf_counter()
         problems, ro, old, union, x_t = self.generate(step, student)
@@ -102,21 +133,45 @@ class Collector:
         data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask,
                         sampler_logprobs=ro.sampler_logprobs if old else None,
                         requested_ids=student_choices(ro.input_ids, ro.sampler_topk) if union else None)
+        rows = None
         if self.teacher is not None:
             rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
                         tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index),
                         prompts=tuple(problems[i].prompt for i in ro.prompt_index),
                         teacher_prompts=None if x_t is None else tuple(x_t[i] for i in ro.prompt_index))
-            self._score(data, rows, step)
-        t2 = time.perf_counter()
         rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
         if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
             data.advantages = group_advantages(rewards, ro.prompt_index)
         sums = [float(rewards.double().sum()), float(ro.num_rows), float(ro.response_mask.sum())]
-        local = {"sums": sums + ([0.0] * 4 if self._xtok else []), "time/rollout_s": t1 - t0,
-                 "time/teacher_s": t2 - t1}
-        self.settle(data, local)
-        return data, local
+        local = {"sums": sums + [0.0] * len(self._sum_names), "time/rollout_s": t1 - t0, "time/teacher_s": 0.0}
+        return Batch(step, data, rows, local)
+
+    def ask(self, batch: "Batch") -> Future:
+        """The teacher's scores of the batch's rows as a Future (running in a background thread for a teacher that
+        answers there); the rows of each member of a composite teacher become metric groups ``teacher/<name>/``."""
+        groups = self.teacher.groups(batch.rows)
+        if groups is not None:
+            batch.data.groups = {f"teacher/{name}/": idx for name, idx in groups.items()}
+        return self.teacher.submit(batch.rows, score_request(self.cfg.loss, f"step {batch.step}: "
+                                                             f"{batch.rows.describe()}", batch.data.requested_ids))
+
+    def answer(self, batch: "Batch", scores: TeacherScores | Future) -> None:
+        """The teacher's scores into the batch (a Future: read where the step first needs them). Scores that are
+        here: the positions the teacher has no signal for leave the step (``response_mask``; a cross-tokenizer
+        teacher, SPEC 6.6), and the sums they carry join the local metrics (:meth:`Teacher.step_metrics`)."""
+        data = batch.data
+        data.scores = scores
+        if isinstance(scores, Future):
+            return
+        if scores.mask is not None:
+            data.response_mask = data.response_mask.clone()
+            data.response_mask[:, 1:] *= scores.mask[:, :-1].to(data.response_mask.dtype)
+        got = scores.sums or {}
+        batch.local["sums"][3:] = [got.get(name, 0.0) for name in self._sum_names]
+
+    @property
+    def _sum_names(self) -> tuple:
+        return () if self.teacher is None else tuple(self.teacher.sum_names)
 
     def generate(self, step: int, student):
         """(this rank's problems, their rollouts, whether they carry sampler log-probs, whether the student's top-k
@@ -146,49 +201,15 @@ class Collector:
             ro = ro.with_prompts(prompts, self.tok.pad_token_id)
         return problems, ro, old, union, x_t
 
-    @property
-    def _xtok(self) -> bool:
-        return self.cfg.xtok.mode != "off" and self.teacher is not None
-
     def reduce(self, local: dict) -> dict:
         """The step's metrics from :meth:`rollouts`' local ones, summed over the ranks (a collective)."""
         local = dict(local)
-        reward_sum, n_rows, tokens, *xtok = self.ctx.sum(local.pop("sums"))
+        reward_sum, n_rows, tokens, *teacher_sums = self.ctx.sum(local.pop("sums"))
         out = {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
                "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
-        if xtok:  # a cross-tokenizer teacher: token-weighted over the step's scored positions on every rank
-            positions, exact, masked, residual = xtok
-            n = max(positions, 1.0)
-            out.update({"xtok/exact_frac": exact / n, "xtok/masked_frac": masked / n,
-                        "xtok/residual_mass": residual / max(positions - masked, 1.0)})
+        if teacher_sums:  # e.g. a cross-tokenizer teacher's counts (SPEC 6.6): over the step's rows on every rank
+            out.update(self.teacher.step_metrics(dict(zip(self._sum_names, teacher_sums))))
         return out
-
-    def settle(self, data: StepData, local: dict) -> None:
-        """Once the teacher's scores are here: the positions a cross-tokenizer teacher has no signal for leave the
-        step (``response_mask``), and its sums join the local metrics (``xtok/*``, SPEC 6.6). Called where the
-        scores arrive: :meth:`rollouts`, or the pipelined step's trainer thread for a teacher scored there."""
-        scores = data.scores
-        if scores is None or isinstance(scores, Future):
-            return
-        if scores.mask is not None:
-            data.response_mask = data.response_mask.clone()
-            data.response_mask[:, 1:] *= scores.mask[:, :-1].to(data.response_mask.dtype)
-        if self._xtok:
-            got = scores.xtok or {}
-            local["sums"][3:7] = [got.get(name, 0.0) for name in ("positions", "exact", "masked", "residual")]
-
-    def _score(self, data: StepData, rows: Rows, step: int) -> None:
-        """The teacher's scores of ``rows`` into ``data`` (a Future while a background request is on its way), and
-        the rows of each member of a composite teacher as metric groups ``teacher/<name>/``."""
-        groups = self.teacher.groups(rows)
-        fut = self.teacher.submit(rows, score_request(self.cfg.loss, f"step {step}: {rows.describe()}",
-                                                      data.requested_ids))
-        # a cross-tokenizer teacher's mask changes the step's rows, so its scores are waited for here (unless the
-        # pipelined step scores it in the trainer's thread: Teacher.deferred)
-        wait = not self.teacher.background or (self._xtok and not self.teacher.deferred)
-        data.scores = fut.result() if wait else fut
-        if groups is not None:
-            data.groups = {f"teacher/{name}/": idx for name, idx in groups.items()}
 
     def _from_cache(self, step: int) -> tuple[StepData, dict]:
         """Off-policy KD from a teacher cache: the step's rows are the next prompts_per_step x n rows, wrapping around,
@@ -200,7 +221,8 @@ class Collector:
         offset, count = self.ctx.share(n_rows)
         idx = (torch.arange(offset, offset + count) + (step - 1) * n_rows) % total
         data = StepData(cache["input_ids"][idx], cache["attention_mask"][idx], cache["response_mask"][idx])
-        self._score(data, Rows(data.input_ids, data.attention_mask, data.response_mask), step)
+        batch = Batch(step, data, Rows(data.input_ids, data.attention_mask, data.response_mask), {"sums": []})
+        self.answer(batch, self.ask(batch).result())
         (tokens,) = self.ctx.sum([float(data.response_mask.sum())])
         return data, {"train/response_len": tokens / n_rows, "time/rollout_s": 0.0, "time/teacher_s": 0.0,
                       "train/generated_tokens": tokens, "train/cache_rows_seen": float(min(step * n_rows, total))}

@@ -1,31 +1,33 @@
 """Typed trainer configuration: one pydantic model per concern, loaded from YAML with dotted overrides.
 
 Every field is checked at load: types are strict (``2.5`` is not an int, ``"yes"`` is not a bool), every number is
-finite and inside its bounds, unknown keys are refused, and rules that tie sections together (a teacher for
-distillation, K for top-k, what the hidden-state payload of ``full`` mode cannot come from) run right after. A failure raises :class:`ConfigError` (a
-``ValueError``) with one line that names the dotted key, what it expects and what it got, e.g.
+finite and inside its bounds, unknown keys are refused; then every rule that the config alone decides runs, one
+table of them (:mod:`opdistill.train.rules`: a teacher for distillation, K for top-k, what the chosen teacher
+cannot answer, ...). A failure raises :class:`ConfigError` (a ``ValueError``) with one line that names the dotted
+key, what it expects and what it got, e.g.
 ``optim.lr: expected a number > 0, got 'abc'``. The ``loss`` section is the core
 :class:`opdistill.DistillationConfig`: its fields are type-checked the same way (from the dataclass's own
 annotations, so the schema has one home) and its own rules then run in its ``__post_init__``.
 
 Checks that need the model folders' metadata (K against the vocabulary, prompt length against the model's positions,
-tokenizers) or the process layout live in :mod:`opdistill.train.preflight` and run before any model loads.
+tokenizers) live in :mod:`opdistill.train.preflight` and run before any model loads; those of the process layout
+(the world size) are :func:`opdistill.train.rules.check_layout`.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
-import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError, quote
+from opdistill.train.rules import check_config
 from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
@@ -35,7 +37,6 @@ __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutCon
            "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
-FLOAT32_MAX = 3.4028234663852886e38
 SEED_MAX = 2**32 - 1  # train.seed * 1_000_003 + step must stay inside torch.manual_seed's 64-bit range
 
 
@@ -67,14 +68,6 @@ class ModelConfig(_Section):
     # --- teacher placement under torchrun (docs/distributed.md "Teacher placement") ---
     teacher_sharded: bool = False  # FSDP2-shard the teacher over the data-parallel ranks (forward only); false: replicated
 
-    @model_validator(mode="after")
-    def _self_teacher(self):
-        if self.teacher == "self" and self.student_from_teacher_layers is not None:
-            raise ConfigError(f"model.student_from_teacher_layers: expected null with model.teacher 'self', got "
-                              f"{self.student_from_teacher_layers}")
-        return self
-
-
 class DataConfig(_Section):
     task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset", "mix"] = "carry_add"  # mix: task_args.tasks
     task_args: dict = {}  # keyword arguments of the task generator (reasoning_gym: {name: TASK, size, seed, ...})
@@ -96,23 +89,6 @@ class DataConfig(_Section):
     eval_split: Optional[str] = None  # held-out rows from this split (of eval_path, else of path)
     eval_fraction: Optional[float] = Field(None, gt=0, lt=1)  # or: hold out this share of path's distinct prompts
     answer_match: Literal["math", "exact", "contains"] = "math"  # how answer_field is checked (opdistill/data/answers.py)
-
-    @model_validator(mode="after")
-    def _rules(self):
-        if self.task == "dataset" and not self.path:
-            raise ConfigError(f"data.path: expected a file path when data.task is 'dataset', got {quote(self.path)}")
-        for key in ("eval_path", "eval_split", "eval_fraction"):
-            if getattr(self, key) is not None and self.task != "dataset":
-                raise ConfigError(f"data.{key}: set only with data.task dataset (generated tasks hold out their own "
-                                  f"problems), got {quote(getattr(self, key))} with data.task {quote(self.task)}")
-        if self.final_assistant == "answer" and self.answer_field is not None:
-            raise ConfigError(f"data.answer_field: expected null with data.final_assistant 'answer' (the answer is "
-                              f"the final assistant turn of data.prompt_field), got {quote(self.answer_field)}")
-        if self.eval_fraction is not None and (self.eval_path is not None or self.eval_split is not None):
-            raise ConfigError(f"data.eval_fraction: expected null when data.eval_path or data.eval_split gives the "
-                              f"held-out rows, got {quote(self.eval_fraction)}")
-        return self
-
 
 class RolloutConfig(_Section):
     n: int = Field(4, ge=1)  # samples per prompt (a GRPO group)
@@ -137,16 +113,8 @@ class RolloutConfig(_Section):
     vllm_max_model_len: Optional[int] = Field(None, ge=1)  # None: the model's max_position_embeddings
     vllm_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: VLLM_CPU_KVCACHE_SPACE of each engine (GiB)
 
-    @model_validator(mode="after")
-    def _min_within_max(self):
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ConfigError(f"rollout.min_new_tokens: expected an integer in [0, rollout.max_new_tokens="
-                              f"{self.max_new_tokens}], got {self.min_new_tokens}")
-        return self
-
-
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0)  # at most FLOAT32_MAX: torch casts it to the weights' float32 (_lr_fits)
+    lr: float = Field(1e-3, gt=0)  # at most float32's largest: torch casts it to the weights' dtype (rules.py)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -156,14 +124,6 @@ class OptimConfig(_Section):
     grad_clip: Optional[float] = Field(1.0, gt=0)
     # AdamW kernel (opdistill/train/optim.py): auto = fused where torch has it for the device, else foreach
     implementation: Literal["auto", "fused", "foreach", "single"] = "auto"
-
-    @model_validator(mode="after")
-    def _lr_fits(self):
-        if self.lr > FLOAT32_MAX:  # was a RuntimeError ("cannot be converted ... without overflow") in the first step
-            raise ConfigError(f"optim.lr: expected a number > 0 that float32 weights can hold (at most {FLOAT32_MAX:.4g}),"
-                              f" got {quote(self.lr)}")
-        return self
-
 
 class TrainConfig(_Section):
     method: Method = "on_policy"  # on_policy | off_policy (teacher-written samples) | rl (verifier reward only)
@@ -245,17 +205,6 @@ class ContextConfig(_Section):
     template: str = "{prompt}"  # the teacher's last user turn: {prompt} (required), {answer}, {hint}
     hint_field: Optional[str] = None  # what {hint} reads: a dataset column, a reasoning-gym metadata key
 
-    @model_validator(mode="after")
-    def _rules(self):
-        from opdistill.data.context import check_template
-
-        if self.examples_path is not None and self.examples:
-            raise ConfigError(f"teacher.context.examples: expected 0 with teacher.context.examples_path (every row "
-                              f"of the file is an example), got {self.examples}")
-        check_template(self.template, self.hint_field)
-        return self
-
-
 class TeacherConfig(_Section):
     """Where the teacher's scores come from: in process (``engine: hf``, default), a vLLM engine in process
     (``engine: vllm``; docs/engines.md), or a remote server (``url``: ``opdistill serve-teacher`` or a stock
@@ -283,27 +232,6 @@ class TeacherConfig(_Section):
     # -- privileged context (SPEC 6.7, docs/self_distillation.md) --
     context: Optional[ContextConfig] = None  # the teacher's own prompt per row; null: the student's prompt
 
-    @model_validator(mode="after")
-    def _url(self):
-        _check_urls(self.url, "teacher.url")
-        return self
-
-
-def _check_urls(url, key: str) -> None:
-    """``url``: one http(s)://host:port, or a list of at least one, each once (a pool of servers)."""
-    if url is None:
-        return
-    urls = [url] if isinstance(url, str) else url
-    if not urls:
-        raise ConfigError(f"{key}: expected http://host:port or a list of them, got []")
-    for u in urls:
-        if not re.match(r"^https?://[^\s/]+", u):
-            raise ConfigError(f"{key}: expected http://host:port or https://host:port, got {quote(u)}")
-    twice = sorted({u.rstrip("/") for u in urls if sum(v.rstrip("/") == u.rstrip("/") for v in urls) > 1})
-    if twice:
-        raise ConfigError(f"{key}: lists {quote(twice[0])} twice; each server of a pool once")
-
-
 class NamedTeacher(TeacherConfig):
     """One entry of ``teachers``: a name and either ``path`` (a model folder or builtin, scored in process, like
     model.teacher) or ``url`` with the client keys of the ``teacher`` section (token_file, timeouts, payload, api,
@@ -311,12 +239,6 @@ class NamedTeacher(TeacherConfig):
 
     name: str = ""  # letters, digits, '_', '-', '.': it names the metrics teacher/<name>/...
     path: Optional[str] = None  # in process: a model folder (or builtin:demo-teacher); or give url
-
-    @model_validator(mode="after")
-    def _url(self):
-        _check_urls(self.url, f"teachers: url of teacher {quote(self.name)}")
-        return self
-
 
 class XtokConfig(_Section):
     """``xtok``: distillation from a teacher whose tokenizer differs from the student's (SPEC 6.6,
@@ -354,259 +276,6 @@ class TrainerConfig(_Section):
     teachers: Optional[list[NamedTeacher]] = None  # named teachers, in process (path) or servers (url)
     routing: Optional[RoutingConfig] = None  # which teacher scores which prompt (needed with teachers)
     xtok: XtokConfig = XtokConfig()  # teachers with another tokenizer (docs/cross_tokenizer.md)
-
-    @model_validator(mode="after")
-    def _rules(self):
-        method, lc = self.train.method, self.loss
-
-        def need(cond: bool, key: str, expected: str, value: Any) -> None:
-            if not cond:
-                raise ConfigError(f"{key}: expected {expected}, got {quote(value)}")
-
-        need(bool(self.run_dir.strip()), "run_dir", "a folder path (an empty one would be the current folder)",
-             self.run_dir)
-        need(bool(self.model.student), "model.student", "a model folder", self.model.student)
-        if method == "rl":
-            need(self.rollout.n >= 2, "rollout.n", "an int >= 2 for method rl (group-normalized advantages)",
-                 self.rollout.n)
-        else:
-            need(bool(self.model.teacher) or self.teacher.url is not None or self.teachers is not None, "model.teacher",
-                 f"a model folder (or teacher.url) for method {method}", self.model.teacher)
-            need(lc.loss_mode != "topk" or lc.topk is not None, "loss.topk",
-                 "an int >= 1 with loss.loss_mode topk (the K of the teacher's top-k, e.g. 8)", lc.topk)
-        if method == "off_policy":
-            # teacher-written samples: the sampler log-probs are the teacher's, so ratios against them mean nothing
-            need(not lc.use_policy_gradient and not lc.use_task_rewards, "loss.use_policy_gradient",
-                 "false (and loss.use_task_rewards false) for method off_policy", lc.use_policy_gradient)
-        ctx = self.teacher.context
-        if ctx is not None:
-            need(method != "rl", "teacher.context", "null with train.method rl (no teacher scores)", ctx.model_dump())
-            need(self.data.teacher_cache is None, "teacher.context", "null with data.teacher_cache (the cache holds "
-                 "scores made under the student's prompts)", ctx.model_dump())
-            need(ctx.hint_field is None or self.data.task in ("dataset", "reasoning_gym"), "teacher.context.hint_field",
-                 f"null with data.task {self.data.task} (a hint is a dataset column or a reasoning-gym metadata key)",
-                 ctx.hint_field)
-        if self.eval.prompts == "teacher":
-            need(ctx is not None, "eval.prompts", "student without teacher.context (teacher: the held-out problems "
-                 "under the teacher's context)", self.eval.prompts)
-            from opdistill.data.context import reads_rows
-
-            need(not reads_rows(ctx.template), "eval.prompts",
-                 "student when teacher.context.template reads {answer} or {hint} (the held-out answers never enter a "
-                 "prompt)", self.eval.prompts)
-        if self.teacher.url is not None:
-            need(method == "on_policy", "teacher.url", "set only with train.method on_policy (off_policy samples are "
-                 "written by an in-process teacher; rl has no teacher)", self.teacher.url)
-        if self.data.teacher_cache is not None:
-            need(method == "off_policy", "data.teacher_cache",
-                 "set only with train.method off_policy (on-policy samples cannot come from a cache)",
-                 self.data.teacher_cache)
-        if method == "rl" or lc.use_task_rewards:
-            need(self.data.task != "dataset" or self.data.answer_field is not None
-                 or self.data.final_assistant == "answer", "data.answer_field",
-                 "a column name (or data.final_assistant: answer): rewards need a verifier (method rl or "
-                 "loss.use_task_rewards)", self.data.answer_field)
-        rc = self.rollout
-        if rc.engine == "vllm" or self.teacher.engine == "vllm":
-            need(not self.model.student_from_teacher_layers, "model.student_from_teacher_layers",
-                 "unset with a vllm engine (vLLM loads models from folders)", self.model.student_from_teacher_layers)
-            need(self.model.dtype != "float64", "model.dtype", "float32, bfloat16 or float16 with a vllm engine",
-                 self.model.dtype)
-        if rc.engine == "vllm":
-            need(method != "off_policy", "rollout.engine", "hf with method off_policy (the teacher writes the samples)",
-                 rc.engine)
-            need(rc.min_new_tokens == 0, "rollout.min_new_tokens", "0 with rollout.engine vllm", rc.min_new_tokens)
-        if lc.loss_mode == "full" and method != "rl":  # the teacher's hidden states and lm_head (SPEC 6.4)
-            why = "topk or sampled with {} (loss_mode full reads the teacher's hidden states, which {})"
-            need(self.teacher.engine == "hf", "loss.loss_mode",
-                 why.format("teacher.engine vllm", "vLLM's prompt log-probs do not carry"), lc.loss_mode)
-            need(self.teacher.api == "opdistill", "loss.loss_mode",
-                 why.format("teacher.api vllm", "a stock vllm serve endpoint does not return"), lc.loss_mode)
-            need(self.data.teacher_cache is None, "loss.loss_mode",
-                 why.format("data.teacher_cache", "a teacher cache does not hold"), lc.loss_mode)
-            for i, t in enumerate(self.teachers or []):
-                need(t.api == "opdistill", "loss.loss_mode",
-                     why.format(f"teachers.{i}.api vllm", "a stock vllm serve endpoint does not return"), lc.loss_mode)
-        if lc.loss_mode == "topk" and lc.support == "union" and method != "rl":
-            # the student's top-k ids come from its own sampler; the teacher scores them as requested ids
-            why = "tail, truncated or renormalized with {} (support union asks the teacher for its log-probs at the " \
-                  "student's top-k ids, {})"
-            need(method == "on_policy", "loss.support", why.format(
-                f"train.method {method}", "which only on-policy rollouts carry"), lc.support)
-            need(rc.engine == "hf", "loss.support", why.format(
-                "rollout.engine vllm", "which the vLLM rollout engine does not return"), lc.support)
-            need(self.teacher.engine == "hf", "loss.support", why.format(
-                "teacher.engine vllm", "which vLLM's prompt log-probs cannot answer"), lc.support)
-            need(self.teacher.api == "opdistill", "loss.support", why.format(
-                "teacher.api vllm", "which a stock vllm serve endpoint cannot answer"), lc.support)
-            for i, t in enumerate(self.teachers or []):
-                need(t.api == "opdistill", "loss.support", why.format(
-                    f"teachers.{i}.api vllm", "which a stock vllm serve endpoint cannot answer"), lc.support)
-        if self.xtok.mode != "off" and method != "rl":
-            why = "{} with xtok.mode " + self.xtok.mode + " (a teacher with another tokenizer {})"
-            need(lc.loss_mode != "full", "loss.loss_mode", why.format(
-                "topk or sampled", "has no hidden states over the student's vocabulary"), lc.loss_mode)
-            need(not (lc.loss_mode == "topk" and lc.support == "union"), "loss.support", why.format(
-                "tail, truncated or renormalized", "cannot score the student's own top-k ids"), lc.support)
-            need(self.xtok.mode != "sampled" or lc.loss_mode == "sampled", "loss.loss_mode", why.format(
-                "sampled", "gives only the log-prob of the student's token in mode sampled"), lc.loss_mode)
-            need(self.data.teacher_cache is None, "data.teacher_cache", why.format(
-                "null", "reads each prompt's text, which a cache's rows do not keep"), self.data.teacher_cache)
-            need(self.teacher.engine == "hf", "teacher.engine", why.format(
-                "hf", "is scored through opdistill's own teachers"), self.teacher.engine)
-            need(self.teacher.api == "opdistill", "teacher.api", why.format(
-                "opdistill", "needs its top-k and sampled log-probs together"), self.teacher.api)
-            for i, t in enumerate(self.teachers or []):
-                need(t.api == "opdistill", f"teachers.{i}.api", why.format(
-                    "opdistill", "needs its top-k and sampled log-probs together"), t.api)
-        if self.teacher.engine == "vllm":
-            need(self.teacher.url is None, "teacher.engine", "hf with teacher.url (the server scores)",
-                 self.teacher.engine)
-            need(self.model.teacher != "self", "teacher.engine", "hf with model.teacher self (the student's own "
-                 "starting weights are scored in process; serve its folder to score them with vLLM)",
-                 self.teacher.engine)
-            need(method != "rl", "teacher.engine", "hf with method rl (no teacher)", self.teacher.engine)
-            need(self.data.teacher_cache is None, "teacher.engine", "hf with data.teacher_cache", self.teacher.engine)
-        if rc.tis_cap is not None:
-            need(method != "off_policy", "rollout.tis_cap", "null with method off_policy (teacher-written samples)",
-                 rc.tis_cap)
-        S = self.train.max_staleness
-        if S:
-            with_s = f" with train.max_staleness {S}"
-            need(method != "off_policy", "train.method", "on_policy or rl (off_policy samples are the teacher's)"
-                 + with_s, method)
-            need(self.data.teacher_cache is None, "data.teacher_cache", "null (a cache has no rollouts to run ahead)"
-                 + with_s, self.data.teacher_cache)
-        if rc.correction is not None:
-            need(method != "off_policy", "rollout.correction", "null with method off_policy (teacher-written samples)",
-                 rc.correction)
-            need(rc.correction != "tis" or rc.tis_cap is not None, "rollout.tis_cap", "a cap >= 1 with "
-                 "rollout.correction tis", rc.tis_cap)
-            need(rc.correction == "tis" or rc.tis_cap is None, "rollout.tis_cap", f"null with rollout.correction "
-                 f"{rc.correction} (the cap is tis's)", rc.tis_cap)
-            need(rc.correction != "icepop" or rc.icepop_band is not None, "rollout.icepop_band", "[lo, hi] with "
-                 "rollout.correction icepop (tokens whose pi_train/pi_sampler lies outside are masked)", rc.icepop_band)
-        if rc.correction_level != "token":
-            need(rc.correction in ("tis", "icepop") or (rc.correction is None and rc.tis_cap is not None),
-                 "rollout.correction_level", "token unless rollout.correction is tis or icepop (the level of their "
-                 "ratio)", rc.correction_level)
-        if rc.icepop_band is not None:
-            band = rc.icepop_band
-            need(rc.correction == "icepop", "rollout.icepop_band", "null unless rollout.correction is icepop", band)
-            need(len(band) == 2 and 0 < band[0] < 1 < band[1] < float("inf"), "rollout.icepop_band",
-                 "[lo, hi] with 0 < lo < 1 < hi", band)
-        if S:
-            need(rc.correction is not None, "rollout.correction", f"none, tis (with rollout.tis_cap) or icepop (with "
-                 f"rollout.icepop_band), said explicitly with train.max_staleness {S}: the rollouts come from a policy "
-                 f"{S} updates old", rc.correction)
-        if self.distributed.decode == "sharded":
-            no, dc = "distributed.decode", self.distributed
-            need(dc.strategy == "fsdp2", no, "replica with distributed.strategy ddp (DDP keeps the whole student on "
-                 "every rank; nothing is sharded to decode from)", dc.decode)
-            need(dc.tp_size == 1, no, "replica with distributed.tp_size > 1 (the vocab-parallel lm_head gives each "
-                 "rank a slice of the logits; decoding needs them whole)", dc.decode)
-            need(not S, no, f"replica with train.max_staleness {S} (the pipelined step decodes in its own thread "
-                 "from whole weight versions)", dc.decode)
-            need(self.rollout.engine == "hf", no, "replica with rollout.engine vllm (the engine holds its own "
-                 "weights)", dc.decode)
-        if self.model.teacher_sharded:  # an in-process teacher that only scores (opdistill/train/sharded_teacher.py)
-            no = "model.teacher_sharded"
-            need(self.teacher.url is None, no, "false with teacher.url (the server holds the teacher)", True)
-            need(self.teacher.engine == "hf", no, "false with teacher.engine vllm (the engine holds the teacher)", True)
-            need(self.data.teacher_cache is None, no, "false with data.teacher_cache (the cache replaces the teacher)",
-                 True)
-            need(self.teachers is None, no, "false with teachers (named teachers are replicated on every rank; only "
-                 "model.teacher can be sharded)", True)
-            need(self.model.teacher not in (None, "self"), no, "false without a teacher model folder (model.teacher "
-                 f"is {quote(self.model.teacher)})", True)
-            need(method != "off_policy", no, "false with train.method off_policy (the teacher decodes the samples, and "
-                 "a sharded teacher must run the same forwards on every rank)", True)
-        if lc.use_task_rewards:
-            need(self.rollout.n >= 2, "rollout.n", "an int >= 2 when loss.use_task_rewards is on", self.rollout.n)
-        return self
-
-    @model_validator(mode="after")
-    def _teachers(self):
-        """``teachers`` + ``routing``: one clear line for a config that cannot route every prompt to one teacher."""
-        ts, rt = self.teachers, self.routing
-        if ts is None:
-            if rt is not None:
-                raise ConfigError("routing: expected null without teachers (routing picks one of the named teachers), "
-                                  f"got {quote(rt.model_dump())}")
-            return self
-        if not ts:
-            raise ConfigError("teachers: expected a list of at least one {name, path | url} teacher, got []")
-        for key, value, why in (("model.teacher", self.model.teacher, "each of teachers has its own path or url"),
-                                ("teacher.url", self.teacher.url, "each of teachers has its own path or url"),
-                                ("model.student_from_teacher_layers", self.model.student_from_teacher_layers,
-                                 "the student is not cut from one of several teachers"),
-                                ("data.teacher_cache", self.data.teacher_cache, "a cache holds one teacher's scores")):
-            if value is not None:
-                raise ConfigError(f"{key}: expected null when teachers is set ({why}), got {quote(value)}")
-        if self.teacher.engine != "hf":
-            raise ConfigError(f"teacher.engine: expected hf when teachers is set (named teachers score with hf in "
-                              f"process or over their url), got {quote(self.teacher.engine)}")
-        if self.train.device != "cpu":
-            raise ConfigError(f"train.device: expected cpu when teachers is set (named in-process teachers are not "
-                              f"placed on a GPU in this version), got {quote(self.train.device)}")
-        if self.train.method != "on_policy":
-            raise ConfigError(f"teachers: set only with train.method on_policy (off_policy samples are written by one "
-                              f"teacher; rl has no teacher), got train.method {quote(self.train.method)}")
-        names = []
-        for i, t in enumerate(ts):
-            if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
-                raise ConfigError(f"teachers.{i}.name: expected letters, digits, '_', '-' or '.' (it names the metrics "
-                                  f"teacher/<name>/...), got {quote(t.name)}")
-            if t.name in names:
-                raise ConfigError(f"teachers.{i}.name: duplicate teacher name {quote(t.name)} (names must be unique)")
-            names.append(t.name)
-            if (t.path is None) == (t.url is None):
-                raise ConfigError(f"teachers.{i}: expected exactly one of path (a model folder, scored in process) or "
-                                  f"url (a teacher server) for teacher {quote(t.name)}, got "
-                                  f"{'both' if t.path is not None else 'neither'}")
-            if t.path == "self":
-                raise ConfigError(f"teachers.{i}.path: expected a model folder, got 'self' (the LoRA self-teacher is "
-                                  f"model.teacher: self, a single teacher)")
-            if t.context is not None:
-                raise ConfigError(f"teachers.{i}.context: expected null (one teacher.context serves every named "
-                                  f"teacher), got {quote(t.context.model_dump())}")
-            if t.engine != "hf":
-                raise ConfigError(f"teachers.{i}.engine: expected hf (named teachers score with hf in process or over "
-                                  f"their url), got {quote(t.engine)}")
-        if rt is None:
-            raise ConfigError(f"routing: expected a routing section with teachers (routing.table: {{value: teacher "
-                              f"name}}, routing.field, routing.default), got null (teachers: {names})")
-        for value, name in rt.table.items():
-            if not name:
-                raise ConfigError(f"routing.table.{value}: expected a teacher name (one of {names}), got {quote(name)}")
-            if name not in names:
-                raise ConfigError(f"routing.table.{value}: unknown teacher {quote(name)} (teachers: {names})")
-        if rt.default is not None and rt.default not in names:
-            raise ConfigError(f"routing.default: unknown teacher {quote(rt.default)} (teachers: {names})")
-        if not rt.table and rt.default is None:
-            raise ConfigError("routing.table: expected at least one value: teacher entry (or routing.default), got "
-                              "nothing: no prompt would have a teacher")
-        used = set(rt.table.values()) | {rt.default}
-        for name in names:
-            if name not in used:
-                raise ConfigError(f"teachers: teacher {quote(name)} gets no prompts (neither routing.table nor "
-                                  f"routing.default names it); route to it or remove it")
-        if self.data.task != "dataset":  # generated tasks: the values are known now
-            if rt.field != "task":
-                raise ConfigError(f"routing.field: expected 'task' with data.task {quote(self.data.task)} (a column "
-                                  f"name needs data.task dataset), got {quote(rt.field)}")
-            tasks = self.data.task_args.get("tasks") if self.data.task == "mix" else {self.data.task: None}
-            tasks = list(tasks) if isinstance(tasks, dict) else []
-            for value in rt.table:
-                if value not in tasks:
-                    raise ConfigError(f"routing.table.{value}: no prompt has task {quote(value)} (the tasks of "
-                                      f"data.task {quote(self.data.task)}: {tasks})")
-            for value in tasks:
-                if value not in rt.table and rt.default is None:
-                    raise ConfigError(f"routing.table: task {quote(value)} has no teacher; add it to routing.table or "
-                                      f"set routing.default")
-        return self
-
 
 # The loss section: the DistillationConfig dataclass's own fields and defaults, type-checked like the sections above.
 _LOSS_HINTS = typing.get_type_hints(DistillationConfig)
@@ -732,9 +401,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     except ValidationError as e:
         raise _one_line(e, _LossFields, ("loss",)) from None
     try:
-        return TrainerConfig.model_validate(data)
+        cfg = TrainerConfig.model_validate(data)
     except ValidationError as e:
         raise _one_line(e, TrainerConfig) from None
+    check_config(cfg)  # every refusal the config alone decides (opdistill/train/rules.py)
+    return cfg
 
 
 def _read_config_text(path) -> str:

@@ -38,6 +38,7 @@ from opdistill.models import decoder_layers
 from opdistill.runs.files import flatten_config
 from opdistill.train.config import config_to_dict
 from opdistill.train.placement import run_device
+from opdistill.train.rules import check_backend, check_layout
 
 __all__ = ["DistContext", "PeerError", "agree_on_config", "broadcast_bytes", "broadcast_text", "init_distributed",
            "launched_by_torchrun", "resolve_backend", "wrap_student"]
@@ -274,10 +275,8 @@ def init_distributed(cfg) -> DistContext:
     owns = False
     device = run_device(cfg)  # train.device: cpu, or cuda:LOCAL_RANK (opdistill/train/placement.py)
     if not dist.is_initialized():
+        check_backend(cfg)  # before the group exists (opdistill/train/rules.py)
         backend = resolve_backend(dc.backend, device.type)
-        if (backend == "nccl") != (device.type == "cuda"):
-            raise ConfigError(f"distributed.backend: {backend} does not fit train.device={device.type} (nccl is for "
-                              f"CUDA, gloo for CPU); use distributed.backend=auto (docs/distributed.md)")
         if backend == "nccl":  # the loop also reduces small CPU tensors: those go through gloo
             torch.cuda.set_device(device)
             backend = "cpu:gloo,cuda:nccl"
@@ -286,21 +285,10 @@ def init_distributed(cfg) -> DistContext:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, decode=dc.decode, owns_group=owns)
     try:
-        from opdistill.train.tensor_parallel import build_mesh, check_tp_config
+        from opdistill.train.tensor_parallel import build_mesh
 
         agree_on_config(config_to_dict(cfg), dist.group.WORLD)  # before anything else reads the config
-
-        dp = check_tp_config(cfg, world)  # the data-parallel size: world / distributed.tp_size
-        pps = cfg.data.prompts_per_step
-        if pps % dp:
-            raise ConfigError(f"data.prompts_per_step: expected a multiple of the data-parallel size {dp} (each "
-                              f"rank samples an equal share of the step's prompts), got {pps}")
-        if 0 < cfg.eval.num_prompts < dp:
-            raise ConfigError(f"eval.num_prompts: expected 0 or at least the data-parallel size {dp} (every rank "
-                              f"evaluates a share), got {cfg.eval.num_prompts}")
-        if dc.strategy == "fsdp2" and cfg.train.fused_lm_head:
-            raise ConfigError("train.fused_lm_head: not supported with distributed.strategy=fsdp2 (the fused loss "
-                              "reads the whole lm_head); use distributed.strategy=ddp or train.fused_lm_head=false")
+        check_layout(cfg, world)  # every rank the same verdict: the config agreed (opdistill/train/rules.py)
         if dc.tp_size > 1:
             build_mesh(ctx, dc.tp_size, device.type)  # (dp, tp): ctx.mesh and ctx.group become the data-parallel ones
         else:

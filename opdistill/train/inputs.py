@@ -141,9 +141,8 @@ def local_inputs(cfg, *, only: tuple[str, ...] | None = None) -> dict[str, dict]
 
 
 def _server_input(client) -> dict:
-    while getattr(client, "inner", None) is not None:  # a wrapper (cross-tokenizer, context): the client it wraps
-        client = client.inner
-    info = getattr(client, "info", None) or {}
+    client = client.served_by()  # through any wrapper (cross-tokenizer, context): the client of the server(s)
+    info = client.info or {}
     if "served" in info:  # a stock vllm serve endpoint: its served model only
         return {"kind": "vllm server", "source": client.url, "served_model": info.get("model")}
     out = {"kind": "server", "source": client.url}
@@ -162,7 +161,7 @@ def remote_inputs(cfg, teachers) -> dict[str, dict]:
         client = teachers.train or teachers.eval
         if client is not None:
             out["teacher"] = _server_input(client)
-    members = getattr(teachers.train, "members", None) or {}
+    members = teachers.train.named() if teachers.train is not None else {}
     for spec in cfg.teachers or []:
         if spec.url is not None and spec.name in members:
             out[f"teachers.{spec.name}"] = _server_input(members[spec.name])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from opdistill.errors import ConfigError
+from opdistill.train.rules import lora_targets
 
 __all__ = ["SELF", "ADAPTERS", "apply_lora", "peft_of", "AdaptersOff", "self_teacher", "save_model", "load_adapters",
            "merged_model", "enable_gradient_checkpointing"]
@@ -52,10 +53,8 @@ def apply_lora(model, lora) -> torch.nn.Module:
     the transformers model (LoRA layers injected, base frozen, adapters trainable). Deterministic under the torch
     seed (peft initialises A randomly, B at zero: the wrapped model computes exactly the base at first)."""
     peft = _peft()
+    lora_targets(lora)  # never the lm_head (opdistill/train/rules.py)
     targets = lora.target_modules
-    if not isinstance(targets, str) and any(t.split(".")[-1] == "lm_head" for t in targets):
-        raise ConfigError(f"model.lora.target_modules: lm_head is frozen in opdistill (the teacher signal and the "
-                          f"fused path read its weight); remove it, got {list(targets)}")
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets if isinstance(targets, str) else list(targets),
                              bias="none", task_type="CAUSAL_LM")

@@ -7,9 +7,11 @@ background thread while the current update runs (SPEC 6.5).
   loop's, and the teacher scores the rows it is given, so a run's numbers do not depend on timing or load (tested by
   slowing each stage). The staleness of step t's batch is ``t - 1 - v(t) = min(S, t - 1)``; :meth:`Pipeline.get`
   raises if a batch ever breaks that bound.
-- **The teacher works while the next rollouts are made**: a server's request is sent from this thread and answered
-  while it goes on to the next batch's rollouts (:class:`OneAtATime`: one request in flight, so a server never
-  merges two of them); an in-process teacher scores in this thread.
+- **The teacher works while the next rollouts are made**: the thread makes each batch's rows
+  (:meth:`Collector.make`) and schedules its scoring itself (:meth:`Pipeline._ask`): a server's request is sent
+  from this thread and answered while it goes on to the next batch's rollouts (one request in flight, so a server
+  never merges two of them); an in-process teacher scores in this thread; a teacher whose answer decides the step's
+  rows (a cross-tokenizer teacher's mask) is waited for here.
 - **The correction** of the stale samples is the trainer's (``rollout.correction``, required when S > 0):
   the sampler's log-probs recorded at generation are the behaviour policy's (``train/step.py``: TIS or ICE-POP).
 - **Memory**: a replica of the student (the thread generates on it while the trainer updates the original; none
@@ -40,10 +42,9 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from opdistill.teachers.base import Teacher
 from opdistill.train.distributed import DistContext
 
-__all__ = ["Pipeline", "OneAtATime", "InTrainerThread", "source_version", "PREFIX"]
+__all__ = ["Pipeline", "source_version", "PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -66,68 +67,6 @@ def _time_answer(fut: Future, metrics: dict) -> None:
     fut.add_done_callback(done)
 
 
-class OneAtATime(Teacher):
-    """``teacher`` (one that answers in a background thread: a server) with at most one request in flight: a request
-    is sent once the previous one is answered. The generator thread makes the next batch's rollouts meanwhile, and a
-    server never holds two of the run's training requests at once (our server merges waiting requests into one
-    forward, whose float rounding depends on the batch: one at a time, each is scored alone, whatever the timing)."""
-
-    background = True
-    deferred = True
-
-    def __init__(self, teacher: Teacher):
-        self.teacher, self.key = teacher, teacher.key
-        self._previous: Future | None = None
-
-    def submit(self, rows, request) -> Future:
-        if self._previous is not None:
-            wait([self._previous])  # its failure is the trainer's to raise, with its step
-        self._previous = self.teacher.submit(rows, request)
-        return self._previous
-
-    def score(self, rows, request):
-        return self.submit(rows, request).result()
-
-    def groups(self, rows):
-        return self.teacher.groups(rows)
-
-    @property
-    def limits(self) -> dict:
-        return self.teacher.limits
-
-
-class ScoreLater(Future):
-    """A request :class:`InTrainerThread` recorded: ``rows`` and ``request``, scored by :meth:`Pipeline.get`."""
-
-    def __init__(self, rows, request):
-        super().__init__()
-        self.rows, self.request = rows, request
-
-
-class InTrainerThread(Teacher):
-    """``teacher`` (one whose scoring runs collectives: a sharded teacher) asked from the generator's thread but
-    scored in the trainer's: :meth:`submit` only records the request, :meth:`Pipeline.get` scores it."""
-
-    background = True
-    deferred = True
-
-    def __init__(self, teacher: Teacher):
-        self.teacher, self.key = teacher, teacher.key
-
-    def submit(self, rows, request) -> Future:
-        return ScoreLater(rows, request)
-
-    def score(self, rows, request):
-        return self.teacher.score(rows, request)
-
-    def groups(self, rows):
-        return self.teacher.groups(rows)
-
-    @property
-    def limits(self) -> dict:
-        return self.teacher.limits
-
-
 class Pipeline:
     """Batches of steps ``start + 1 .. steps`` made ahead by ``collect(step, model)`` (the trainer's
     :class:`~opdistill.train.collect.Collector`) on a replica of ``student``; ``versions``: the weight versions a
@@ -143,10 +82,11 @@ class Pipeline:
         self.collect.tok = copy.deepcopy(collect.tok)
         self.ctx = getattr(collect, "ctx", DistContext())
         teacher = getattr(collect, "teacher", None)
-        if teacher is not None and teacher.collective:
-            self.collect.teacher = InTrainerThread(teacher)
-        elif teacher is not None and teacher.background:
-            self.collect.teacher = OneAtATime(teacher)
+        # where the teacher is asked (module notes): "trainer" (its scoring is a collective), "sent" (a server: one
+        # request in flight, answered while the next batch is made), "here" (in this thread), None (no teacher)
+        self.asked = None if teacher is None else "trainer" if teacher.collective else \
+            "sent" if teacher.background and not teacher.masks else "here"
+        self._previous: Future | None = None  # the request in flight
         engines = getattr(collect, "engines", None)
         self.engine = getattr(engines, "student", None)  # a vLLM student engine: versions pushed into it
         self.joint = bool(getattr(engines, "joint", False))  # one engine over the tp ranks: every one takes part
@@ -190,11 +130,11 @@ class Pipeline:
                         self.engine.load_weights(weights.items())
                         self._pushed = v
                     if self.ctx.tp_leader:
-                        data, metrics = self.collect.rollouts(t, self.replica)
+                        batch = self.collect.make(t, self.replica)
+                        self._ask(batch)
+                        data, metrics = batch, batch.local
                     else:  # the leader's engine spans its tp ranks: the peer takes part in its generate
                         self.collect.generate(t, self.replica)
-                if data is not None and isinstance(data.scores, Future):  # answered while the next batch is made
-                    _time_answer(data.scores, metrics)
                 metrics["time/wait_version_s"] = waited
                 result = (data, metrics, v)
             except BaseException as e:  # noqa: BLE001 -- raised by get() for this step, in the trainer's thread
@@ -204,6 +144,22 @@ class Pipeline:
                 self._cond.notify_all()
             if isinstance(result, BaseException):
                 return
+
+    def _ask(self, batch) -> None:
+        """The teacher's scores of ``batch`` as the teacher allows (module notes): a server's request sent once the
+        previous one is answered (its failure is the trainer's to raise, with its step), the answer arriving while
+        the next batch is made; an in-process teacher scored here; a collective teacher left to :meth:`get`."""
+        if self.asked is None or self.asked == "trainer":
+            return
+        if self.asked == "sent" and self._previous is not None:
+            wait([self._previous])
+        t0 = time.perf_counter()
+        fut = self.collect.ask(batch)
+        self.collect.answer(batch, fut if self.asked == "sent" else fut.result())
+        batch.local["time/teacher_s"] = time.perf_counter() - t0
+        if self.asked == "sent":
+            self._previous = fut
+            _time_answer(fut, batch.local)
 
     # -- the trainer's side ------------------------------------------------------------------------------------------
     def get(self, step: int):
@@ -217,12 +173,12 @@ class Pipeline:
             result = self._ready.pop(step)
         if isinstance(result, BaseException):
             raise result
-        data, metrics, v = result
-        if data is not None and isinstance(data.scores, ScoreLater):  # a collective teacher: scored here
+        batch, metrics, v = result
+        if batch is not None and self.asked == "trainer":  # a collective teacher: scored here, on every rank
             t1 = time.perf_counter()
-            data.scores = self.collect.teacher.score(data.scores.rows, data.scores.request)
-            self.collect.settle(data, metrics)  # a cross-tokenizer teacher's mask and sums
+            self.collect.answer(batch, self.collect.ask(batch).result())
             metrics["time/teacher_s"] += time.perf_counter() - t1
+        data = None if batch is None else batch.data
         wait_version = metrics.pop("time/wait_version_s")
         data, metrics = self.collect.share(data, metrics if data is not None else None)  # tp: to the peers
         metrics = self.collect.reduce(metrics)  # over the ranks: a collective, in the trainer's thread

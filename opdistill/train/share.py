@@ -27,14 +27,10 @@ _ROWS = ("input_ids", "attention_mask", "response_mask", "sampler_logprobs", "ad
 _SCORES = ("sampled_logprobs", "requested_logprobs", "hidden", "requested_ids")
 
 
-def _members(teacher) -> dict:
-    return getattr(teacher, "members", None) or {"": teacher}
-
-
 def _head_name(head, teacher) -> str:
     """The name of ``teacher``'s member whose output head ``head`` is (``""``: the teacher itself)."""
-    for name, t in _members(teacher).items():
-        h = getattr(t, "head", None)
+    for name, t in teacher.named().items():
+        h = t.head
         if h is not None and h.weight is head.weight:
             return name
     raise ValueError("share_step: the teacher's scores carry an output head that no member of the teacher holds")
@@ -59,7 +55,7 @@ def _unpack_scores(prefix: str, teacher, tensors: dict, meta: dict) -> TeacherSc
                            validated=meta[prefix + "topk_validated"] == "True")
     head = None
     if prefix + "head" in meta:
-        head = _members(teacher)[meta[prefix + "head"]].head
+        head = teacher.named()[meta[prefix + "head"]].head
     get = tensors.get
     return TeacherScores(topk, get(prefix + "sampled_logprobs"), get(prefix + "requested_logprobs"),
                          get(prefix + "hidden"), head, get(prefix + "requested_ids"))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from opdistill.errors import ConfigError
 
-__all__ = ["TensorParallel", "check_tp_config", "shard_student"]
+__all__ = ["TensorParallel", "shard_student"]
 
 
 @dataclass
@@ -49,24 +49,6 @@ class TensorParallel:
     def loss_kwargs(self) -> dict:
         """``vocab_group`` / ``vocab_size`` for ``DistillationLoss`` and ``select_backend``."""
         return {"vocab_group": self.group, "vocab_size": self.vocab_size}
-
-
-def check_tp_config(cfg, world: int) -> int:
-    """The data-parallel size of ``world`` ranks at ``distributed.tp_size``; clear errors for what tp does not do."""
-    tp = cfg.distributed.tp_size
-    if world % tp:
-        raise ConfigError(f"distributed.tp_size: expected a divisor of the world size {world} (the ranks form a "
-                          f"(data-parallel, tensor-parallel) mesh of {world} / tp_size x tp_size), got {tp}")
-    if tp > 1 and cfg.train.fused_lm_head:
-        raise ConfigError("train.fused_lm_head: not supported with distributed.tp_size > 1 (the vocab-parallel "
-                          "lm_head already keeps only [tokens, V/tp] logits); set train.fused_lm_head=false")
-    if tp > 1 and cfg.distributed.strategy != "fsdp2":
-        raise ConfigError(f"distributed.tp_size={tp}: needs distributed.strategy=fsdp2 (DDP over a "
-                          f"tensor-parallel student is not wired in this version), got {cfg.distributed.strategy}")
-    if tp > 1 and cfg.model.lora is not None:
-        raise ConfigError("model.lora: not supported with distributed.tp_size > 1 (the adapters would sit on a "
-                          "vocabulary-sharded lm_head); set distributed.tp_size=1")
-    return world // tp
 
 
 def _module_path(root, module) -> str:
