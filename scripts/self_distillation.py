@@ -24,7 +24,7 @@ its own frozen starting weights with five worked examples of the task before the
 
 and, evaluated once: the untrained student (``base``) and the untrained student decoding under the context
 (``teacher``, ``eval.prompts: teacher``: the context-teacher's own accuracy). Every run evaluates the same held-out
-problems (greedy and one sample each) at steps 8, 16 and 24 (addition: 12 and 24); every change is paired over problems with its 95%
+problems (greedy and one sample each) at steps 8, 16 and 24 (addition: 16 steps, evaluated at 8 and 16); every change is paired over problems with its 95%
 bootstrap interval (``opdistill compare --baseline``), and the share of the teacher's lead the student closes
 carries its paired interval (``opdistill.runs.stats.paired_lift_ratio``). The runs go in two lanes (one torch thread
 each): the comparison at equal steps does not depend on it; each method's CPU seconds per step are measured apart
@@ -48,7 +48,8 @@ TASKS = {
                 "min_digits: 1, max_digits: 2, operators: ['+'], allow_parentheses: false, allow_negation: false}",
 }
 PROBLEMS = 150
-EVERY = {"calendar": 8, "addition": 12}  # steps between evaluations (each ~3-5 CPU minutes at one thread)
+EVERY = {"calendar": 8, "addition": 8}  # steps between evaluations (each ~3-5 CPU minutes at one thread)
+STEPS = {"calendar": 24, "addition": 16}  # setup a's steps per task (b and c: 16)
 METHODS = {
     "opd": [],
     "offpolicy": ["train.method=off_policy"],
@@ -60,7 +61,7 @@ XTOK = ["xtok.mode=bpm", "xtok.teacher_topk=64"]
 # a: SmolLM2 from itself under five worked examples, against its baselines; b: Gemma-3-270M (the base model) under
 # the same five worked examples teaching SmolLM2 across tokenizers; c: the reverse, SmolLM2 teaching Gemma
 SETUPS = {
-    "a": {"steps": 24, "methods": ("opd", "offpolicy", "grpo"), "args": [],
+    "a": {"steps": None, "methods": ("opd", "offpolicy", "grpo"), "args": [],
           "teacher_eval": []},
     "b": {"steps": 16, "methods": ("opd",), "args": ["model.teacher=builtin:gemma3-270m", *XTOK],
           "teacher_eval": ["model.student=builtin:gemma3-270m"]},
@@ -70,8 +71,12 @@ SETUPS = {
 }
 
 
+def _steps(setup: str, task: str) -> int:
+    return STEPS[task] if setup == "a" else SETUPS[setup]["steps"]
+
+
 def _common(setup: str, task: str) -> list[str]:
-    return [f"train.steps={SETUPS[setup]['steps']}", f"eval.every={EVERY[task]}", f"eval.num_prompts={PROBLEMS}",
+    return [f"train.steps={_steps(setup, task)}", f"eval.every={EVERY[task]}", f"eval.num_prompts={PROBLEMS}",
             "eval.at_start=false", "log.progress=false", "checkpoint.save_final=true", "checkpoint.keep_last=1",
             "train.threads=1", *SETUPS[setup]["args"]]
 
@@ -100,7 +105,7 @@ def run_all(setup: str, task: str, out: Path, lanes: int) -> None:
     jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *_common(setup, task),
                                     f"run_dir={out / f'{m}-seed{s}'}", f"train.seed={s}", *METHODS[m]])
             for s in SEEDS for m in su["methods"]]
-    print(f"{setup} {task}: 2 evaluations and {len(jobs)} runs of {su['steps']} steps in {lanes} lanes -> {out}",
+    print(f"{setup} {task}: 2 evaluations and {len(jobs)} runs of {_steps(setup, task)} steps in {lanes} lanes -> {out}",
           flush=True)
     with ThreadPoolExecutor(max_workers=lanes) as pool:
         list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"),
@@ -150,7 +155,7 @@ def report(setup: str, task: str, out: Path) -> None:
           "teacher's lead closed [95%] | CPU s / step |")
     print("|---|---|---|---|---|---|---|---|")
     for m in SETUPS[setup]["methods"]:
-        for step in range(EVERY[task], SETUPS[setup]["steps"] + 1, EVERY[task]):
+        for step in range(EVERY[task], _steps(setup, task) + 1, EVERY[task]):
             runs = [_values(out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json") for s in SEEDS]
             accs = [acc(v) for v in runs]
             diff = paired_difference([r[:2] for r in runs], [base[:2]])
