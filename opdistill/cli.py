@@ -2,25 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 import warnings
 
+from opdistill.console import metrics_table, one_line_warning as _one_line_warning, quiet_transformers, rank as _rank
+from opdistill.console import rank_tag as _rank_tag, resume_advice as _resume_advice, train_report
 from opdistill.errors import ConfigError, UserError
 
 __all__ = ["main"]
-
-
-def _quiet_transformers():
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def _cmd_train(args):
@@ -49,86 +40,8 @@ def _cmd_train(args):
         print(f"opdistill train: stopped by {summary['stopped']} after step {summary['steps']} of "
               f"{cfg.train.steps}; {_resume_advice(args, cfg.run_dir, summary['checkpoint'])}", file=sys.stderr)
         return summary["exit_code"]
-    report = {"steps": summary["steps"], "train_time_s": round(summary["train_time_s"], 2),
-              "run_dir": summary["run_dir"], "checkpoint": summary["checkpoint"],
-              "final_eval": summary["final_eval"]}
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
-    print(_run_files(summary["run_dir"], summary["checkpoint"], cfg.log.tensorboard))
-    print(f"\n{summary['steps']} steps, {summary['train_time_s']:.1f} s of training")
-    if summary["final_eval"]:
-        print(f"\nheld-out evaluation at step {summary['final_eval'].get('step', summary['steps'])} "
-              f"({len(summary['eval_history'])} evaluations in metrics.jsonl):\n")
-        print(metrics_table(summary["final_eval"]))
+    print(train_report(summary, tensorboard=cfg.log.tensorboard, as_json=args.json))
     return 0
-
-
-def _run_files(run_dir: str, checkpoint: str | None, tensorboard: bool) -> str:
-    """Where a run's files are, one per line."""
-    from pathlib import Path
-
-    lines = [f"run folder:  {run_dir}",
-             f"checkpoints: {Path(run_dir) / 'checkpoints'}"
-             + (f" (newest: {Path(checkpoint).name})" if checkpoint else " (none written: checkpoint.*)"),
-             f"metrics:     {Path(run_dir) / 'metrics.jsonl'} (opdistill plot {run_dir})"]
-    tb = Path(run_dir) / "tensorboard"
-    if tensorboard and tb.is_dir():
-        lines.append(f"tensorboard: {tb} (tensorboard --logdir {tb})")
-    return "\n".join(lines)
-
-
-def metrics_table(metrics: dict, level: float = 0.95) -> str:
-    """A markdown table of evaluation metrics: one row per metric, its value and its interval (``metric_lo`` and
-    ``metric_hi``, when computed); other keys (``step``, ``train_time_s``) are left out."""
-    import math
-
-    def num(x) -> str:
-        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.4g}"
-
-    rows = [f"| metric | value | {level:.0%} interval |", "|---|---|---|"]
-    for name, v in metrics.items():
-        if not name.startswith("eval/") or (name.endswith(("_lo", "_hi")) and name[:-3] in metrics):
-            continue
-        lo, hi = metrics.get(f"{name}_lo"), metrics.get(f"{name}_hi")
-        interval = f"[{num(lo)}, {num(hi)}]" if lo is not None and hi is not None else ""
-        rows.append(f"| {name} | {num(v)} | {interval} |")
-    return "\n".join(rows)
-
-
-def _command(args, flag: str) -> str:
-    """The train command line as given, with ``flag`` (--resume or --overwrite) instead of either."""
-    import shlex
-
-    words = ["opdistill", "train", "--config", str(args.config), flag, *args.overrides]
-    line = shlex.join(words)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's own arguments are not known here
-        line = f"the same torchrun launch of {shlex.join(words[1:])}"
-    return line
-
-
-def _resume_advice(args, run_dir, checkpoint: str | None) -> str:
-    """What is kept and the one command that continues: the checkpoint to resume from (``checkpoint``, or the
-    newest in ``run_dir``) and ``--resume``; without any, the command that starts again."""
-    import warnings as _warnings
-    from pathlib import Path
-
-    from opdistill.train.checkpoint import latest_checkpoint
-
-    if checkpoint is None:
-        try:
-            with _warnings.catch_warnings():
-                _warnings.simplefilter("ignore")
-                found = latest_checkpoint(run_dir)
-        except UserError:
-            found = None
-        checkpoint = None if found is None else str(found)
-    if checkpoint is not None:
-        step = int(Path(checkpoint).name.split("_")[-1])
-        return f"checkpoint of step {step}: {checkpoint}; resume with: {_command(args, '--resume')}"
-    if (Path(run_dir) / "config.yaml").exists():
-        return f"no checkpoint was written; start again with: {_command(args, '--overwrite')}"
-    return "nothing was written; start again with the same command"
 
 
 def _check(args, cfg) -> int:
@@ -191,19 +104,9 @@ def _cmd_eval(args):
 def _eval(args, write_output):
     from pathlib import Path
 
-    import torch
-
-    from opdistill.data import PromptSource
-    from opdistill.models import resolve_model_path
-    from opdistill.runs.values import nest_intervals
-    from opdistill.teachers import TeacherContext, build_teacher
     from opdistill.train import load_config
-    from opdistill.train.checkpoint import load_weights, resume_checkpoint
-    from opdistill.train.assemble import build_context
-    from opdistill.train.loop import build_task, load_models, run_eval
-    from opdistill.train.preflight import check_against_models, check_model_folders
-
-    from opdistill.train.inputs import check_inputs, local_inputs, parse_accept_changed, remote_inputs
+    from opdistill.train.commands import evaluate_run
+    from opdistill.train.inputs import parse_accept_changed
 
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
     accept, run_dir = parse_accept_changed(args.accept_changed), None
@@ -219,50 +122,22 @@ def _eval(args, write_output):
             ckpt = "latest"
     if accept and run_dir is None:
         raise ConfigError("--accept-changed: only with a RUN_DIR (the run whose record of its inputs is compared)")
-    cfg = load_config(config, overrides)
-    check_model_folders(cfg)
-    if run_dir is not None:  # the student, teacher and data files against the run's record (train/inputs.py)
-        check_inputs(run_dir, local_inputs(cfg), accept, what="eval")
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    tok, student, teacher = load_models(cfg)
-    if ckpt == "latest":
-        ckpt = resume_checkpoint(cfg.run_dir)
-    if ckpt:
-        load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
-    task = build_task(cfg)
-    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
-    held_out = PromptSource(task, cfg.train.seed, cfg.data.eval_seed).held_out(cfg.eval.num_prompts)
-    context = build_context(cfg, task, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
-    if context is not None:
-        from opdistill.train.preflight import ModelInfo, check_context
+    report = evaluate_run(load_config(config, overrides), checkpoint=ckpt, run_dir=run_dir, accept=accept,
+                          values_path=Path(args.values) if args.values else None)
+    return _print_eval(args, report, write_output)
 
-        check_context(cfg, context, tok, ModelInfo("model.student", None, student, tok),
-                      [] if teacher is None else [ModelInfo("model.teacher", None, teacher)],
-                      PromptSource(task, cfg.train.seed, cfg.data.eval_seed), held_out)
-    models = {} if teacher is None else {"model.teacher": teacher}
-    teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
-                                                 resolve=resolve_model_path), train=False)
-    try:
-        if run_dir is not None:  # a teacher server against the run's record
-            check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
-        metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out,
-                           values_path=Path(args.values) if args.values else None, context=context)
-    finally:
-        teachers.close()
-    report = {"checkpoint": str(ckpt) if ckpt else None, "num_problems": len(held_out),
-              "num_samples": cfg.eval.num_samples, "bootstrap_resamples": cfg.eval.bootstrap_resamples,
-              "level": 0.95, "metrics": nest_intervals(metrics)}
-    text = json.dumps(report, indent=1)
+
+def _print_eval(args, report, write_output) -> int:
+    text = report.as_json()
     if args.out:
         write_output(args.out, text + "\n")  # locked, whole (opdistill.runs.outputs)
     if args.json:
         print(text)
         return 0
-    print(f"checkpoint: {report['checkpoint'] or 'none (the configured student)'}; {len(held_out)} held-out "
-          f"problems, {cfg.eval.num_samples} sample(s) each; intervals: bootstrap over problems "
-          f"({cfg.eval.bootstrap_resamples} resamples)\n")
-    print(metrics_table(metrics))
+    print(f"checkpoint: {report.checkpoint or 'none (the configured student)'}; {report.num_problems} held-out "
+          f"problems, {report.num_samples} sample(s) each; intervals: bootstrap over problems "
+          f"({report.bootstrap_resamples} resamples)\n")
+    print(metrics_table(report.metrics))
     if args.out:
         print(f"\nJSON report: {args.out}")
     return 0
@@ -293,50 +168,12 @@ def _cmd_score(args):
 
 
 def _score(args):
-    from pathlib import Path
-
-    import torch
-
-    from opdistill.data import PromptSource, render_prompt
-    from opdistill.engines.rollout import generate_rollouts
-    from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
     from opdistill.train import load_config
-    from opdistill.train.loop import build_task, load_models
-    from opdistill.train.preflight import check_against_models, check_model_folders
-    from opdistill.train.rundir import follow_umask
+    from opdistill.train.commands import score_cache
 
-    cfg = load_config(args.config, args.overrides)
-    if cfg.teacher.context is not None:
-        raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
-                          "under the student's prompts, which data.teacher_cache trains on)")
-    if cfg.xtok.mode != "off":
-        raise ConfigError(f"xtok.mode: expected off for opdistill score (a teacher cache holds the teacher's scores "
-                          f"of the student's own token ids), got {cfg.xtok.mode!r}")
-    check_model_folders(cfg)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    tok, student, teacher = load_models(cfg)
-    if teacher is None:
-        raise ConfigError("model.teacher: expected a model folder to score with, got None")
-    task = build_task(cfg)
-    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
-    problems = PromptSource(task, cfg.train.seed).batch(0, args.num_prompts)
-    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
-    writer = teacher if args.writer == "teacher" else student
-    torch.manual_seed(cfg.train.seed)
-    ro = generate_rollouts(writer, tok, prompts, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                           top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                           min_new_tokens=cfg.rollout.min_new_tokens, batch_size=cfg.rollout.batch_size,
-                           seed=cfg.train.seed, step=0)
-    scorer = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models={"model.teacher": teacher}),
-                           train=False).eval  # model.teacher in this process
-    scores = scorer.score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
-                          ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
-    path = save_cache(args.out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                      response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
-                      logprob_dtype=torch.float16 if args.fp16 else torch.float32)
-    follow_umask(Path(path))  # safetensors writes 0600; the cache is data other users' runs may read
-    print(f"wrote {ro.num_rows} scored rows ({int(ro.response_mask.sum())} response tokens) to {path}")
+    path, rows, tokens = score_cache(load_config(args.config, args.overrides), args.out, num_prompts=args.num_prompts,
+                                     writer=args.writer, fp16=args.fp16)
+    print(f"wrote {rows} scored rows ({tokens} response tokens) to {path}")
 
 
 def _cmd_export(args):
@@ -362,27 +199,23 @@ def _cmd_serve_teacher(args):
           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
 
 
-def _int_at_least(lo: int):
+def _int_at_least(lo: int, hi: int | None = None, what: str | None = None):
+    """An argparse type: an integer in [lo, hi] (``what``: how the message names it)."""
+    what = what or f"an integer >= {lo}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
     return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {value}")
-    return value
+_port = _int_at_least(1, 65535, "a port number in [1, 65535]")
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -554,51 +387,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
-
-
-def _rank_tag() -> str:
-    """``[rank R] `` under torchrun with more than one process (warnings and errors name the rank), else ""."""
-    import os
-
-    return f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-
-
-def _origin(category, filename: str) -> str:
-    """The package a warning comes from: opdistill for its own warning types and files, else the top-level package
-    of the file that warned (``.../site-packages/transformers/...`` -> transformers; the standard library:
-    python)."""
-    from pathlib import Path
-
-    if getattr(category, "__module__", "").split(".")[0] == "opdistill":
-        return "opdistill"
-    parts = Path(filename or "").parts
-    here = Path(__file__).resolve().parent
-    try:
-        Path(filename).resolve().relative_to(here)
-        return "opdistill"
-    except (ValueError, OSError, TypeError):
-        pass
-    for marker in ("site-packages", "dist-packages"):
-        if marker in parts and parts.index(marker) + 1 < len(parts):
-            return Path(parts[parts.index(marker) + 1]).stem
-    import sysconfig
-
-    if filename and Path(filename).resolve().is_relative_to(Path(sysconfig.get_paths()["stdlib"]).resolve()):
-        return "python"
-    return "opdistill"  # a file of no installed package: opdistill's caller (stacklevel), e.g. a script
-
-
-def _one_line_warning(message, category, filename, lineno, line=None):
-    origin = _origin(category, filename)
-    if origin == "opdistill":
-        return f"opdistill: {_rank_tag()}warning: {message}\n"
-    return f"opdistill: {_rank_tag()}warning from {origin} ({category.__name__}): {message}\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run a command. A user error (:class:`opdistill.errors.UserError`: a config key, a data file, a model folder)
     prints one line and returns 2; ``--debug`` adds its traceback. An interrupt (Ctrl-C, SIGTERM) outside the
@@ -615,33 +403,37 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _quiet_transformers()
+    quiet_transformers()
     # the format, not the printer, is swapped: a caller that records warnings (pytest.warns) still records them
     formatwarning = warnings.formatwarning
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     try:
         return args.fn(args) or 0
-    except UserError as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"opdistill {args.command}: {_rank_tag()}{e.kind}: {e}", file=sys.stderr)
-        if getattr(e, "advice", None):
-            print(f"opdistill {args.command}: {_rank_tag()}{e.advice}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:  # Ctrl-C before the loop's handler, or a second signal (train/interrupt.py)
-        if args.debug:
-            traceback.print_exc()
-        what = str(e) or "interrupted"
-        advice = getattr(e, "advice", None)
-        print(f"opdistill {args.command}: {_rank_tag()}{what}" + (f"; {advice}" if advice else ""), file=sys.stderr)
-        return getattr(e, "exit_code", 130)
+    except (UserError, KeyboardInterrupt) as e:
+        return _failed(args, e)
     except Exception as e:  # a bug: its traceback follows; what the run kept first
         if getattr(e, "advice", None):
             print(f"opdistill {args.command}: {_rank_tag()}{e.advice}", file=sys.stderr)
         raise
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _failed(args, e) -> int:
+    """A user error (one line, exit 2) or an interrupt before the loop's handler or a second signal
+    (train/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback."""
+    if args.debug:
+        traceback.print_exc()
+    where = f"opdistill {args.command}: {_rank_tag()}"
+    advice = getattr(e, "advice", None)
+    if isinstance(e, KeyboardInterrupt):
+        print(where + (str(e) or "interrupted") + (f"; {advice}" if advice else ""), file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    print(f"{where}{e.kind}: {e}", file=sys.stderr)
+    if advice:
+        print(where + advice, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import opdistill
 
 # lowest first; a module's layer is that of its longest matching prefix
 LAYERS = [
-    ["opdistill.errors", "opdistill.yaml12", "opdistill.ops"],
+    ["opdistill.errors", "opdistill.yaml12", "opdistill.durable", "opdistill.ops"],
     ["opdistill.batch", "opdistill.metrics"],
     ["opdistill.parallel", "opdistill.fused"],  # variants of the ops (fused reads parallel's stages)
     ["opdistill.loss.signals", "opdistill.loss.config"],  # the loss package, bottom-up
@@ -43,8 +43,9 @@ LAYERS = [
     ["opdistill.train.collect", "opdistill.train.pipeline"],
     ["opdistill.train.assemble", "opdistill.train.export"],
     ["opdistill.train.loop"],
+    ["opdistill.train.commands"],
     ["opdistill.train", "opdistill.serve"],
-    ["opdistill.demo"],
+    ["opdistill.demo", "opdistill.console"],
     ["opdistill.cli", "opdistill.__main__"],
 ]
 

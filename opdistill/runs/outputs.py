@@ -17,6 +17,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from opdistill.durable import write_whole
 from opdistill.errors import ConfigError, RunError, quote
 
 __all__ = ["RUN_ENTRIES", "LOCK_NAME", "owner_of", "check_output_path", "output_lock", "try_lock", "write_output",
@@ -89,22 +90,7 @@ def output_lock(path: str | os.PathLike, flag: str):
 def write_output(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write ``data`` to ``path`` whole: a temporary file beside it, fsync'ed, renamed over ``path`` (a reader sees
     the old file or the new one, never a part)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # less the umask
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    return path
+    return write_whole(path, data)  # opdistill/durable.py
 
 
 def _image_formats() -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from opdistill.durable import replace_durably
 from opdistill.errors import UserError
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.teachers.answers import LOGPROB_TOL  # a stored log-prob may exceed 0 by this much (one home)
@@ -167,13 +168,7 @@ def save_cache(path: str | os.PathLike, *, input_ids, attention_mask, response_m
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()  # never write through a link left at the temporary name
     save_file(t, str(tmp), metadata={"format": CACHE_FORMAT, "provenance": json.dumps(prov, sort_keys=True)})
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
-    return path
+    return replace_durably(tmp, path)  # replaces a link at ``path`` itself, never its target
 
 
 def _short(field: str, value):

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from opdistill.durable import fsync_path, fsync_tree
 from opdistill.train.lora import ADAPTERS, load_adapters, save_model
 from opdistill.train.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
                                     check_not_symlink, follow_umask)
@@ -279,18 +280,6 @@ def _check_finite(model, optimizer, step: int) -> None:
                                      f"bad data or teacher scores")
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict, *, keep_last: int = 2,
                     tokenizer=None, group=None, rng: dict | None = None,
                     extra: dict[str, torch.Tensor] | None = None) -> Path:
@@ -330,18 +319,14 @@ def _add_extra(tensors: dict, extra: dict | None) -> None:
 def _finish(run_dir, tmp: Path, final: Path, step: int, keep_last: int, layout: str) -> Path:
     """Modes as the umask says, fsync, manifest last, rename into place, prune to ``keep_last``."""
     follow_umask(tmp)  # safetensors writes 0600
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     _write_manifest(tmp, step, layout)  # last: a folder with a valid manifest is complete
     if _before_rename_hook is not None:
         _before_rename_hook(tmp)
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(final.parent)
     for old in [p for p in list_checkpoints(run_dir) if p != final][: -keep_last + 1 or None]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -27,6 +27,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+from opdistill.durable import write_whole
 from opdistill.errors import RunError, RunWarning
 from opdistill.runs.files import flatten_config, read_jsonl
 from opdistill.runs.outputs import LOCK_NAME as _LOCK, RUN_ENTRIES, owner_of, try_lock
@@ -103,16 +104,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a fresh temporary file beside ``path``, fsync it, and rename it over ``path`` (a rename
     replaces a link itself, never its target; a link at ``path`` is refused first)."""
     check_not_symlink(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_whole(path, text)
 
 
 def current_umask() -> int:
@@ -138,14 +130,6 @@ def follow_umask(path: Path) -> None:
     for p in files:
         if not p.is_symlink():
             os.chmod(p, mode)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _resumable(key: str, change: tuple | None = None) -> bool:

@@ -1,0 +1,119 @@
+"""The commands besides ``train``, assembled as a run is: ``opdistill eval`` (:func:`evaluate_run`) and ``opdistill
+score`` (:func:`score_cache`). Each reads the config, refuses what it cannot run before a weight loads where it can,
+loads the models (``load_models``), builds its teachers through ``build_teacher`` and does its work; the CLI only
+parses arguments and prints (opdistill/cli.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opdistill.data import PromptSource, render_prompt
+from opdistill.errors import ConfigError
+from opdistill.models import resolve_model_path
+from opdistill.runs.values import nest_intervals
+from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
+from opdistill.train.assemble import build_context, build_task, load_models
+from opdistill.train.checkpoint import load_weights, resume_checkpoint
+from opdistill.train.inputs import check_inputs, local_inputs, remote_inputs
+from opdistill.train.loop import run_eval
+from opdistill.train.preflight import ModelInfo, check_against_models, check_context, check_model_folders
+from opdistill.train.rundir import follow_umask
+
+__all__ = ["EvalReport", "evaluate_run", "score_cache"]
+
+
+@dataclass
+class EvalReport:
+    """What ``opdistill eval`` measured: the checkpoint evaluated (None: the configured student), the problems, and
+    the metrics with their intervals (``as_json``: the report's JSON)."""
+
+    checkpoint: str | None
+    num_problems: int
+    num_samples: int
+    bootstrap_resamples: int
+    metrics: dict
+
+    def as_json(self) -> str:
+        return json.dumps({"checkpoint": self.checkpoint, "num_problems": self.num_problems,
+                           "num_samples": self.num_samples, "bootstrap_resamples": self.bootstrap_resamples,
+                           "level": 0.95, "metrics": nest_intervals(self.metrics)}, indent=1)
+
+
+def evaluate_run(cfg, *, checkpoint: str | None = None, run_dir: Path | None = None, accept: tuple = (),
+                 values_path: Path | None = None) -> EvalReport:
+    """The held-out evaluation of ``cfg``'s student (``checkpoint``: a checkpoint folder, ``latest``: the run's
+    newest, None: the configured student) by ``cfg``'s evaluation teacher. ``run_dir``: the run whose record of its
+    inputs (student, teacher, data files, a server's identity) the inputs are checked against (``accept``: the
+    changes accepted; train/inputs.py). ``values_path``: also write the per-problem values there."""
+    check_model_folders(cfg)
+    if run_dir is not None:  # the student, teacher and data files against the run's record (train/inputs.py)
+        check_inputs(run_dir, local_inputs(cfg), accept, what="eval")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    tok, student, teacher = load_models(cfg)
+    ckpt = resume_checkpoint(cfg.run_dir) if checkpoint == "latest" else checkpoint
+    if ckpt:
+        load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
+    task = build_task(cfg)
+    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
+    source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
+    held_out = source.held_out(cfg.eval.num_prompts)
+    context = build_context(cfg, task, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
+    if context is not None:
+        check_context(cfg, context, tok, ModelInfo("model.student", None, student, tok),
+                      [] if teacher is None else [ModelInfo("model.teacher", None, teacher)], source, held_out)
+    models = {} if teacher is None else {"model.teacher": teacher}
+    teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
+                                                 resolve=resolve_model_path), train=False)
+    try:
+        if run_dir is not None:  # a teacher server against the run's record
+            check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
+        metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out, values_path=values_path,
+                           context=context)
+    finally:
+        teachers.close()
+    return EvalReport(str(ckpt) if ckpt else None, len(held_out), cfg.eval.num_samples,
+                      cfg.eval.bootstrap_resamples, metrics)
+
+
+def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bool = False) -> tuple[Path, int, int]:
+    """``opdistill score``: ``num_prompts`` prompts of step 0, ``rollout.n`` rows each written by ``writer`` (the
+    teacher or the student), scored by ``model.teacher`` in this process, saved as a teacher cache at ``out``
+    (opdistill/teachers/cache.py). Returns (the cache's path, its rows, their response tokens)."""
+    if cfg.teacher.context is not None:
+        raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
+                          "under the student's prompts, which data.teacher_cache trains on)")
+    if cfg.xtok.mode != "off":
+        raise ConfigError(f"xtok.mode: expected off for opdistill score (a teacher cache holds the teacher's scores "
+                          f"of the student's own token ids), got {cfg.xtok.mode!r}")
+    check_model_folders(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    tok, student, teacher = load_models(cfg)
+    if teacher is None:
+        raise ConfigError("model.teacher: expected a model folder to score with, got None")
+    task = build_task(cfg)
+    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
+    problems = PromptSource(task, cfg.train.seed).batch(0, num_prompts)
+    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+    rc = cfg.rollout
+    torch.manual_seed(cfg.train.seed)
+    from opdistill.engines.rollout import generate_rollouts
+
+    ro = generate_rollouts(teacher if writer == "teacher" else student, tok, prompts, n=rc.n,
+                           temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                           max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
+                           batch_size=rc.batch_size, seed=cfg.train.seed, step=0)
+    scorer = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models={"model.teacher": teacher}),
+                           train=False).eval  # model.teacher in this process
+    scores = scorer.score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
+                          ScoreRequest(k=cfg.loss.topk, sampled=True, what="opdistill score"))
+    path = save_cache(out, input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                      response_mask=ro.response_mask, scores=scores, teacher=teacher, tokenizer=tok,
+                      logprob_dtype=torch.float16 if fp16 else torch.float32)
+    follow_umask(Path(path))  # safetensors writes 0600; the cache is data other users' runs may read
+    return Path(path), ro.num_rows, int(ro.response_mask.sum())
