@@ -192,7 +192,7 @@ def child_opdistill(args) -> dict:
     warnings.filterwarnings("ignore")
     import opdistill.train.loop as loop
     from opdistill import DistillationLoss
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
 
     assets = Path(args.assets)
     run_dir = Path(args.run_dir)
@@ -214,7 +214,7 @@ def child_opdistill(args) -> dict:
     _install_common_hooks(clock, torch)
     tok, student, teacher = loop.load_models(cfg)
 
-    from opdistill.train.collect import Collector
+    from opdistill.train.steps.collect import Collector
 
     real_collect, real_step = Collector.__call__, loop.train_step
 
@@ -236,7 +236,7 @@ def child_opdistill(args) -> dict:
 
     Collector.__call__, loop.train_step = collect, train_step
     DistillationLoss.__call__ = clock.wrap("loss", DistillationLoss.__call__)
-    from opdistill.train.logger import RunLogger
+    from opdistill.train.disk.logger import RunLogger
 
     real_advance = RunLogger.advance
 

@@ -16,8 +16,8 @@ __all__ = ["main"]
 
 def _cmd_train(args):
     from opdistill.train import load_config, run_training
-    from opdistill.train.inputs import parse_accept_changed
-    from opdistill.train.preflight import check_model_folders
+    from opdistill.train.disk.inputs import parse_accept_changed
+    from opdistill.train.disk.preflight import check_model_folders
 
     accept = parse_accept_changed(args.accept_changed)
     if accept and not args.resume:
@@ -50,8 +50,8 @@ def _check(args, cfg) -> int:
     from pathlib import Path
 
     from opdistill.train.assemble import check_run
-    from opdistill.train.config import config_to_dict
-    from opdistill.train.preflight import check_model_folders
+    from opdistill.train.run.config import config_to_dict
+    from opdistill.train.disk.preflight import check_model_folders
     from opdistill.yaml12 import dump_yaml
 
     print(dump_yaml(config_to_dict(cfg)).rstrip())  # reads back the same under YAML 1.1 and 1.2
@@ -106,7 +106,7 @@ def _eval(args, write_output):
 
     from opdistill.train import load_config
     from opdistill.train.commands import evaluate_run
-    from opdistill.train.inputs import parse_accept_changed
+    from opdistill.train.disk.inputs import parse_accept_changed
 
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
     accept, run_dir = parse_accept_changed(args.accept_changed), None
@@ -177,8 +177,8 @@ def _score(args):
 
 
 def _cmd_export(args):
-    from opdistill.train.export import export_run
-    from opdistill.train.inputs import parse_accept_changed
+    from opdistill.train.commands import export_run
+    from opdistill.train.disk.inputs import parse_accept_changed
 
     accept = parse_accept_changed(args.accept_changed)
     print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint, accept_changed=accept)}")
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _failed(args, e) -> int:
     """A user error (one line, exit 2) or an interrupt before the loop's handler or a second signal
-    (train/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback."""
+    (train/run/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback."""
     if args.debug:
         traceback.print_exc()
     where = f"opdistill {args.command}: {_rank_tag()}"

@@ -88,7 +88,7 @@ def resume_advice(args, run_dir, checkpoint: str | None) -> str:
     import warnings as _warnings
     from pathlib import Path
 
-    from opdistill.train.checkpoint import latest_checkpoint
+    from opdistill.train.disk.checkpoint import latest_checkpoint
 
     if checkpoint is None:
         try:

@@ -34,7 +34,7 @@ from opdistill.runs.compare import Group, load_runs, metric_sums, plot_groups, r
 from opdistill.runs.outputs import check_output_path
 from opdistill.runs.stats import paired_difference
 from opdistill.teachers import TeacherContext, build_teacher
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.train.loop import build_task, load_models, run_eval, run_training
 
 __all__ = ["demo_config", "run_demo", "format_table", "demo_figure", "method_differences"]

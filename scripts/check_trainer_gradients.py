@@ -167,7 +167,7 @@ def collect_batch(cfg, tok, student, teacher, k: int):
     needs them, and the samples are the same either way)."""
     from opdistill.data import PromptSource
     from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
-    from opdistill.train.collect import Collector
+    from opdistill.train.steps.collect import Collector
     from opdistill.train.loop import build_task
 
     task = build_task(cfg)
@@ -185,7 +185,7 @@ def run_check(student, teacher, data, *, k: int, micro_batch_tokens: int, famili
     """Trainer gradient vs float64 reference for each family x path; returns one dict per (family, fused).
     ``families``: names (each run on every path of ``fused``) or (name, fused) pairs."""
     from opdistill import DistillationConfig, DistillationLoss
-    from opdistill.train.step import train_step
+    from opdistill.train.steps.step import train_step
 
     families = families or list(FAMILIES)
     student64 = copy.deepcopy(student).double()

@@ -102,7 +102,7 @@ def main(argv=None):
     a = ap.parse_intermixed_args(argv)
     from opdistill.data import PromptSource
     from opdistill.train import load_config
-    from opdistill.train.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.loop import build_task, load_models
 
     cfg = load_config(Path(a.run_dir) / "config.yaml", [f"run_dir={a.run_dir}", *a.overrides])

@@ -17,7 +17,7 @@ import torch
 
 from opdistill import DistillationConfig, DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.models import load_model, smollm2_folder
-from opdistill.train.step import StepData, train_step
+from opdistill.train.steps.step import StepData, train_step
 
 
 def rss_mb() -> float:
@@ -42,10 +42,10 @@ def main():
     if a.lora:
         from types import SimpleNamespace
 
-        from opdistill.train.lora import apply_lora
+        from opdistill.train.run.lora import apply_lora
         model = apply_lora(model, SimpleNamespace(r=16, alpha=32, dropout=0.0, target_modules="all-linear"))
     if a.gc:
-        from opdistill.train.lora import enable_gradient_checkpointing
+        from opdistill.train.run.lora import enable_gradient_checkpointing
         enable_gradient_checkpointing(model)
     V, B, S, K = model.config.vocab_size, a.rows, a.length, 16
     ids = torch.randint(0, V, (B, S))

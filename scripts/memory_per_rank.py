@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out_dir: str) 
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
     from opdistill.train import assemble, loop
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
 
     sampler = _Sampler()
     sampler.start()
@@ -116,7 +116,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out_dir: str) 
                                         if isinstance(v, torch.Tensor)),
                 replica=_tensor_bytes(ctx._replica.parameters()) if ctx._replica is not None else 0)
 
-    from opdistill.train import collect
+    from opdistill.train.steps import collect
 
     def phase(name, fn):
         def wrapped(*a, **kw):

@@ -75,10 +75,10 @@ def main(argv=None):
     from opdistill.data import PromptSource
     from opdistill.train import load_config
     from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
-    from opdistill.train.collect import Collector
+    from opdistill.train.steps.collect import Collector
     from opdistill.train.loop import build_task, load_models
-    from opdistill.train.optim import build_optimizer
-    from opdistill.train.step import train_step
+    from opdistill.train.run.optim import build_optimizer
+    from opdistill.train.steps.step import train_step
 
     spec = importlib.util.spec_from_file_location("chk", Path(__file__).with_name("check_trainer_gradients.py"))
     chk = importlib.util.module_from_spec(spec)

@@ -180,7 +180,7 @@ def diagnose(setup: str, task: str, out: Path) -> dict:
     from opdistill.engines.rollout import generate_rollouts
     from opdistill.train import load_config
     from opdistill.train.assemble import build_context, build_task
-    from opdistill.train.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.loop import load_models
 
     torch.set_num_threads(2)

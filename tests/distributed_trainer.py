@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from opdistill.engines import vllm as engines  # EngineSet: the loop's rollouts go through its generate_rollouts
 from opdistill.train import loop
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 
 
 def record_rollouts(sink: dict, calls: list | None = None):
@@ -43,7 +43,7 @@ class count_teacher_requests:
     forward) to record the steps this rank asked for; ``restore()`` puts the original back."""
 
     def __init__(self):
-        from opdistill.train import collect
+        from opdistill.train.steps import collect
 
         self.steps: list[int] = []
         self.cls, self.original = collect.Collector, collect.Collector.ask

@@ -79,7 +79,7 @@ def test_the_self_teacher_is_the_frozen_starting_student(tmp):
 def _spy_collector(monkeypatch):
     """Record the rows each training step's teacher is asked to score, and the prompts each rollout decodes from."""
     from opdistill.engines import vllm as engines
-    from opdistill.train import collect
+    from opdistill.train.steps import collect
 
     seen = {"rows": [], "decoded": []}
     ask, generate = collect.Collector.ask, engines.EngineSet.generate_rollouts
@@ -185,7 +185,7 @@ def test_no_held_out_answer_enters_a_teacher_prompt(tmp, monkeypatch):
 def test_eval_prompts_teacher_decodes_the_held_out_problems_under_the_context(tmp, monkeypatch):
     """``eval.prompts: teacher``: the student decodes each held-out problem from the teacher's prompt (the
     few-shot student, what a self-teacher scores from); no teacher metrics."""
-    from opdistill.train import evaluate
+    from opdistill.train.steps import evaluate
 
     seen = []
     original = evaluate.generate_rollouts

@@ -9,7 +9,7 @@ from opdistill.data import DatasetTask, PromptSource, ReasoningGymTask, extract_
 from opdistill.data.prompts import render_prompt, split_held_out
 from opdistill.errors import ConfigError, DataError
 from opdistill.models import char_tokenizer
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 
 
 def _write(path, rows):

@@ -10,7 +10,7 @@ import yaml
 
 from opdistill.cli import main
 from opdistill.demo import demo_figure
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.runs.values import METRICS
 from opdistill.runs.files import read_metrics
 from opdistill.train.loop import run_training
@@ -290,7 +290,7 @@ def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, bud
     import torch
     import torch.nn.functional as F
 
-    from opdistill.train import evaluate as evaluate_mod
+    from opdistill.train.steps import evaluate as evaluate_mod
 
     if budget is not None:
         monkeypatch.setattr(evaluate_mod, "DIAGNOSTIC_LOGITS", budget)
@@ -298,7 +298,7 @@ def test_per_problem_values_match_a_float64_reference(tmp_path, monkeypatch, bud
     from opdistill.data import PromptSource, render_prompt
     from opdistill.engines.rollout import generate_rollouts
     from opdistill.teachers import LocalTeacher
-    from opdistill.train.evaluate import evaluate_values
+    from opdistill.train.steps.evaluate import evaluate_values
     from opdistill.train.loop import build_task, load_models
     from tests.reference import diagnostics_reference, topk_row
 

@@ -1,5 +1,5 @@
 """Confidence intervals of the evaluation: the bootstrap over problems (opdistill/runs/stats.py) and the per-problem
-values the evaluation turns into metrics (evaluate_values, summarize) (opdistill/train/evaluate.py).
+values the evaluation turns into metrics (evaluate_values, summarize) (opdistill/train/steps/evaluate.py).
 
 Expectations come from an independent numpy implementation (explicit index draws, per-resample sums, a hand-written
 linear-interpolation quantile), from exact small cases, and from a coverage check on a known population."""

@@ -128,8 +128,8 @@ def test_a_gemma_teacher_through_the_server_equals_in_process(tmp):
 def test_export_of_a_gemma_student(tmp):
     from transformers import AutoModelForCausalLM
 
-    from opdistill.train.checkpoint import load_weights, resume_checkpoint
-    from opdistill.train.export import export_run
+    from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint
+    from opdistill.train.commands import export_run
     from opdistill.models import load_model
 
     c = _cfg(tmp, "export", checkpoint={"every": 0, "save_final": True})

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from opdistill.errors import ConfigError
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -76,7 +76,7 @@ def test_the_verdict_on_a_run_record(changes, why):
 
 
 def test_train_device_cuda_without_cuda_is_one_config_error(monkeypatch):
-    from opdistill.train.placement import run_device
+    from opdistill.train.run.placement import run_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as e:
@@ -93,7 +93,7 @@ def test_nccl_on_cpu_is_refused_naming_the_backend():
 
     import torch.distributed as dist
 
-    from opdistill.train.distributed import init_distributed
+    from opdistill.train.run.distributed import init_distributed
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     cfg = load_config(base={**BASE, "distributed": {"backend": "nccl"}})

@@ -34,14 +34,17 @@ LAYERS = [
     ["opdistill.runs.values"],
     ["opdistill.runs.compare", "opdistill.runs.plot", "opdistill.runs"],
     # the trainer, bottom-up: parts, the step and what feeds it, the assembly, the loop
-    ["opdistill.train.rules"],
-    ["opdistill.train.config", "opdistill.train.placement", "opdistill.train.lora", "opdistill.train.optim",
-     "opdistill.train.tensor_parallel", "opdistill.train.wandb_log", "opdistill.train.interrupt"],
-    ["opdistill.train.rundir", "opdistill.train.distributed"],
-    ["opdistill.train.logger", "opdistill.train.checkpoint", "opdistill.train.step", "opdistill.train.preflight",
-     "opdistill.train.evaluate", "opdistill.train.inputs", "opdistill.train.share"],
-    ["opdistill.train.collect", "opdistill.train.pipeline"],
-    ["opdistill.train.assemble", "opdistill.train.export"],
+    ["opdistill.train.run", "opdistill.train.disk", "opdistill.train.steps"],  # the three parts (docstrings only)
+    ["opdistill.train.run.rules"],
+    ["opdistill.train.run.config", "opdistill.train.run.placement", "opdistill.train.run.lora",
+     "opdistill.train.run.optim", "opdistill.train.run.tensor_parallel", "opdistill.train.disk.wandb_log",
+     "opdistill.train.run.interrupt"],
+    ["opdistill.train.disk.rundir", "opdistill.train.run.distributed"],
+    ["opdistill.train.disk.logger", "opdistill.train.disk.checkpoint", "opdistill.train.steps.step",
+     "opdistill.train.disk.preflight", "opdistill.train.steps.evaluate", "opdistill.train.disk.inputs",
+     "opdistill.train.steps.share"],
+    ["opdistill.train.steps.collect", "opdistill.train.steps.pipeline"],
+    ["opdistill.train.assemble"],
     ["opdistill.train.loop"],
     ["opdistill.train.commands"],
     ["opdistill.train", "opdistill.serve"],
@@ -51,11 +54,11 @@ LAYERS = [
 
 # imports a layer would allow but the design does not: (importer prefix, imported prefix, why)
 FORBIDDEN = [
-    ("opdistill.train.step", "opdistill.teachers", "the optimizer step knows nothing of where scores come from"),
-    ("opdistill.train.step", "opdistill.engines", "the optimizer step knows nothing of where rows come from"),
-    ("opdistill.train.step", "opdistill.data", "the optimizer step knows nothing of tasks or prompts"),
-    ("opdistill.train.step", "opdistill.train.collect", "the step receives rows, scores and a plan"),
-    ("opdistill.train.step", "opdistill.loss.backend", "the trainer calls the loss, not a back-end"),
+    ("opdistill.train.steps.step", "opdistill.teachers", "the optimizer step knows nothing of where scores come from"),
+    ("opdistill.train.steps.step", "opdistill.engines", "the optimizer step knows nothing of where rows come from"),
+    ("opdistill.train.steps.step", "opdistill.data", "the optimizer step knows nothing of tasks or prompts"),
+    ("opdistill.train.steps.step", "opdistill.train.steps.collect", "the step receives rows, scores and a plan"),
+    ("opdistill.train.steps.step", "opdistill.loss.backend", "the trainer calls the loss, not a back-end"),
     ("opdistill.train", "opdistill.loss.backend", "the trainer calls the loss, not a back-end"),
     ("opdistill.teachers.local", "opdistill.teachers.build", "a teacher source never chooses another"),
     ("opdistill.serve", "opdistill.train", "the server scores through the teachers, not the trainer"),
@@ -154,5 +157,6 @@ def test_the_rules_can_fail():
     """The checks above see a violation when there is one (a module of a lower layer importing an upper one, a
     forbidden pair, a two-module cycle)."""
     assert layer_of("opdistill.engines.rollout") < layer_of("opdistill.engines.vllm")
-    assert layer_of("opdistill.teachers.base") < layer_of("opdistill.train.step")
-    assert any(_under("opdistill.train.step", a) and _under("opdistill.teachers.routed", b) for a, b, _ in FORBIDDEN)
+    assert layer_of("opdistill.teachers.base") < layer_of("opdistill.train.steps.step")
+    assert any(_under("opdistill.train.steps.step", a) and _under("opdistill.teachers.routed", b)
+               for a, b, _ in FORBIDDEN)

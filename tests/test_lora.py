@@ -14,9 +14,9 @@ from safetensors.torch import load_file  # noqa: E402
 from opdistill.errors import ConfigError  # noqa: E402
 from opdistill.models import load_model  # noqa: E402
 from opdistill.train import load_config, run_training  # noqa: E402
-from opdistill.train.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
+from opdistill.train.disk.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
 from opdistill.train.loop import load_models  # noqa: E402
-from opdistill.train.lora import AdaptersOff, peft_of  # noqa: E402
+from opdistill.train.run.lora import AdaptersOff, peft_of  # noqa: E402
 from tests.trainer_helpers import tiny_config_dict  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
@@ -167,7 +167,7 @@ def test_export_merges_lora_into_a_plain_folder(tmp_path):
     # refusals: an existing non-empty --out, a folder that is not a run
     assert main(["export", cfg.run_dir, "--out", str(out)]) == 2
     with pytest.raises(ConfigError, match=r"^--out: '.*exported' exists and is not an empty folder"):
-        from opdistill.train.export import export_run
+        from opdistill.train.commands import export_run
         export_run(cfg.run_dir, out)
     with pytest.raises(ConfigError, match=r"^RUN_DIR: '.*nowhere' holds no config\.yaml"):
         export_run(tmp_path / "nowhere", tmp_path / "o2")
@@ -176,7 +176,7 @@ def test_export_merges_lora_into_a_plain_folder(tmp_path):
 def test_export_of_a_full_fine_tune(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from opdistill.train.export import export_run
+    from opdistill.train.commands import export_run
 
     d = _cfg(tmp_path, steps=1)
     d["model"]["lora"] = None
@@ -196,7 +196,7 @@ def test_smollm2_lora_self_distillation_trains_and_exports(tmp_path):
     """Acceptance: a LoRA SmolLM2 run (teacher: its own base) trains and exports a from_pretrained folder."""
     from transformers import AutoModelForCausalLM
 
-    from opdistill.train.export import export_run
+    from opdistill.train.commands import export_run
 
     cfg = load_config("configs/smollm2_lora_self_distill.yaml", [
         f"run_dir={tmp_path / 'run'}", "train.steps=2", "data.prompts_per_step=2", "rollout.n=2",

@@ -253,7 +253,7 @@ def test_a_routed_run_resumes_with_the_uninterrupted_numbers(tmp, in_process):
 def test_a_named_teachers_client_keys_may_change_on_resume(tmp_path):
     """teachers.N.url (a moved server) and the other client keys may change on --resume, as teacher.url's may; the
     teachers themselves (name, path, how many) may not."""
-    from opdistill.train.rundir import RunError, check_checkpoint_config
+    from opdistill.train.disk.rundir import RunError, check_checkpoint_config
 
     old = {"train": {"steps": 2}, "teachers": [{"name": "a", "path": "ta", "url": None},
                                                {"name": "b", "path": None, "url": "http://h:1", "overlap": True}]}
@@ -411,7 +411,7 @@ def test_mixed_task_draws_tags_and_scores_by_its_own_task():
 
 def test_routed_micro_batches_and_reassembly():
     """One teacher per micro-batch within the token budget; scores put back in the step's row order."""
-    from opdistill.train.step import group_split, token_budget_split
+    from opdistill.train.steps.step import group_split, token_budget_split
 
     row_teacher = torch.tensor([1, 0, 1, 1, 0, 1])
     groups = [torch.nonzero(row_teacher == j).flatten() for j in (0, 1)]
@@ -434,8 +434,8 @@ def test_overlapped_scores_follow_the_rows_to_their_device():
     Future); the scores that arrive later land on the rows' device. The meta device stands in for CUDA here."""
     from concurrent.futures import Future
 
-    from opdistill.train.placement import data_to
-    from opdistill.train.step import StepData
+    from opdistill.train.run.placement import data_to
+    from opdistill.train.steps.step import StepData
 
     ids = torch.tensor([[1, 2, 3]])
     scores = TeacherScores(TeacherTopK(torch.zeros(1, 3, 2, dtype=torch.long), torch.full((1, 3, 2), -1.0),

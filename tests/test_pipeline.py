@@ -1,5 +1,5 @@
 """The pipelined step (issue 23, parts 1, 2 and 5): ``train.max_staleness: S``, ``rollout.correction``,
-``opdistill/train/pipeline.py``, SPEC 6.5.
+``opdistill/train/steps/pipeline.py``, SPEC 6.5.
 
 - The corrected losses at S in {0, 1, 2} against tests/reference.py in float64, with the weights written here from
   their definition (truncated ratio, ICE-POP band), the behaviour policy a version S updates older.
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, TeacherTopK
 from opdistill.errors import ConfigError
 from opdistill.train import load_config, run_training
-from opdistill.train.collect import Batch
-from opdistill.train.pipeline import Pipeline
-from opdistill.train.step import icepop_weights, rollout_mismatch
+from opdistill.train.steps.collect import Batch
+from opdistill.train.steps.pipeline import Pipeline
+from opdistill.train.steps.step import icepop_weights, rollout_mismatch
 from tests.reference import distillation_reference
 from tests.trainer_helpers import tiny_config_dict
 
@@ -285,7 +285,8 @@ def test_s1_with_sequence_weights_trains_and_differs_from_token_weights(tmp, s1_
 
 @pytest.mark.parametrize("slow", ["collect", "update"])
 def test_s1_gives_the_same_numbers_whichever_stage_is_slow(tmp, s1_run, slow, monkeypatch):
-    from opdistill.train import collect as collect_mod, loop as loop_mod
+    from opdistill.train import loop as loop_mod
+    from opdistill.train.steps import collect as collect_mod
 
     if slow == "collect":
         original = collect_mod.Collector.make
@@ -479,7 +480,7 @@ def test_s1_with_two_routed_teachers(tmp):
     rows = [r for r in _rows(c["run_dir"]) if "distillation/loss" in r]
     assert len(rows) == 3 and all("teacher/a/loss" in r and "teacher/b/loss" in r for r in rows)
     assert [r["train/staleness"] for r in rows] == [0, 1, 1]
-    from opdistill.train import collect as collect_mod
+    from opdistill.train.steps import collect as collect_mod
     original = collect_mod.Collector.make
 
     def slowed(self, step, student):
@@ -506,7 +507,7 @@ def test_a_teacher_server_lost_mid_pipeline_keeps_the_last_step_and_resumes_exac
     import sys
 
     from opdistill.teachers import TeacherServiceError
-    from opdistill.train import collect as collect_mod
+    from opdistill.train.steps import collect as collect_mod
     from tests.server_helpers import free_port, start_server_process, stop_server_process
 
     c = _config(tmp, "s1_lost", 1)

@@ -16,10 +16,10 @@ from opdistill.data import CARRY_ADD_CHARS, DatasetTask, make_task
 from opdistill.errors import ConfigError, DataError, ModelError
 from opdistill.loss.distillation import policy_gradient_loss
 from opdistill.models import build_tiny_llama, char_tokenizer
-from opdistill.train.checkpoint import CheckpointError, load_weights
-from opdistill.train.config import load_config
-from opdistill.train.preflight import check_against_models, check_finite_weights
-from opdistill.train.rundir import RunError, RunWarning, check_checkpoint_config, open_run_dir
+from opdistill.train.disk.checkpoint import CheckpointError, load_weights
+from opdistill.train.run.config import load_config
+from opdistill.train.disk.preflight import check_against_models, check_finite_weights
+from opdistill.train.disk.rundir import RunError, RunWarning, check_checkpoint_config, open_run_dir
 from tests.trainer_helpers import tiny_config_dict
 
 BASE = {"model": {"student": "s", "teacher": "t"}, "loss": {"topk": 4}}

@@ -14,7 +14,7 @@ import yaml
 
 from opdistill.cli import main
 from opdistill.errors import ConfigError
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.yaml12 import MAX_DEPTH, MAX_VALUES
 
 BASE = {"model": {"student": "s", "teacher": "t"}, "loss": {"topk": 4}}
@@ -991,7 +991,7 @@ def test_probe_2_a_teacher_server_serving_another_model_is_refused(service, teac
 
 
 def test_large_files_are_fingerprinted_by_size_mtime_and_samples(tmp_path, monkeypatch):
-    import opdistill.train.inputs as inputs
+    import opdistill.train.disk.inputs as inputs
 
     monkeypatch.setattr(inputs, "LARGE_FILE_BYTES", 1 << 20)
     f = tmp_path / "big.jsonl"

@@ -13,7 +13,7 @@ from opdistill.errors import ConfigError, DataError, IncompatibleModelsError
 from opdistill.models import build_tiny_llama, char_tokenizer
 from opdistill.train import load_config, run_training
 from opdistill.train.assemble import assemble
-from opdistill.train.distributed import DistContext
+from opdistill.train.run.distributed import DistContext
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 
@@ -169,7 +169,7 @@ def test_vllm_engines_under_torchrun(tmp_path, no_loading, monkeypatch):
     with a vLLM teacher engine at tp > 1, with the pipelined step over the tp ranks on CUDA, with a tp size vLLM
     cannot shard the student's attention heads by, with an architecture vLLM does not implement (at any world
     size), and on CPU when the node's ranks' KV caches do not fit its memory."""
-    from opdistill.train.preflight import check_engines_fit
+    from opdistill.train.disk.preflight import check_engines_fit
 
     with pytest.raises(ConfigError) as e:
         _assemble(_cfg(tmp_path, rollout={"engine": "vllm"}, teacher={"engine": "vllm"}, distributed={"tp_size": 2}),

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from opdistill import DistillationConfig, DistillationLoss, GlobalBatch, PolicyGradientLoss, policy_gradient_loss
-from opdistill.train.config import ConfigError, load_config
-from opdistill.train.step import rollout_mismatch, tis_weights, train_step
+from opdistill.train.run.config import ConfigError, load_config
+from opdistill.train.steps.step import rollout_mismatch, tis_weights, train_step
 from tests.reference import distillation_reference, policy_reference
 from tests.test_trainer_step import _setup
 

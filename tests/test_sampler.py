@@ -281,7 +281,7 @@ def test_trainer_steps_do_not_depend_on_the_rollout_batch_size(tmp_path, method)
     """The trainer keys its rollouts by (train.seed, step, prompt, sample): rollout.batch_size 1 and null train the
     same run (every logged number but the timings and the sampler/trainer mismatch ``rollout/*``, which measures the
     last-bit differences the batch shape makes in the sampler's log-probs), and another train.seed does not."""
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
     from opdistill.runs.files import read_metrics
     from opdistill.train.loop import run_training
     from tests.trainer_helpers import tiny_config_dict
@@ -306,7 +306,7 @@ def test_trainer_passes_rollout_min_new_tokens(tmp_path):
     (the random tiny student emits EOS early without it)."""
     import warnings as _w
 
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
     from opdistill.runs.files import read_metrics
     from opdistill.train.loop import run_training
     from tests.trainer_helpers import tiny_config_dict

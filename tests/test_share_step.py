@@ -1,4 +1,5 @@
-"""opdistill/train/share.py: one step's data packed by a tensor-parallel leader and unpacked by its peers (issue 24).
+"""opdistill/train/steps/share.py: one step's data packed by a tensor-parallel leader and unpacked by its peers
+(issue 24).
 
 Round trips are exact (every tensor equal, dtypes kept), the teacher's output head is never sent (the peer takes
 its own teacher member's), and a head no member holds is refused. The broadcast itself runs in the world-2 launch
@@ -9,9 +10,9 @@ import torch
 
 from opdistill.fused.hf import LMHead
 from opdistill.loss.signals import GroupedScores, TeacherScores, TeacherTopK
-from opdistill.train.share import pack_step, share_step, unpack_step
-from opdistill.train.distributed import DistContext
-from opdistill.train.step import StepData
+from opdistill.train.steps.share import pack_step, share_step, unpack_step
+from opdistill.train.run.distributed import DistContext
+from opdistill.train.steps.step import StepData
 
 
 class _Member:

@@ -282,7 +282,7 @@ def _losses(run_dir):
 def test_a_run_on_two_servers_survives_one_and_resumes_after_both(teacher, tmp_path, monkeypatch):
     pytest.importorskip("httpx", reason="the serve extra (pip install -e '.[serve]') is not installed")
     pytest.importorskip("uvicorn", reason="the serve extra (pip install -e '.[serve]') is not installed")
-    from opdistill.train.collect import Collector
+    from opdistill.train.steps.collect import Collector
     from tests.server_helpers import free_port, start_server_process, stop_server_process
 
     _, cfg = teacher

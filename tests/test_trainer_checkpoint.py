@@ -12,11 +12,11 @@ import yaml
 
 from opdistill.cli import main
 from opdistill.models import load_model
-from opdistill.train import checkpoint as ckpt_mod
-from opdistill.train.checkpoint import (MANIFEST, list_checkpoints, load_checkpoint, load_weights, resume_checkpoint,
-                                        save_checkpoint, verify_checkpoint)
+from opdistill.train.disk import checkpoint as ckpt_mod
+from opdistill.train.disk.checkpoint import (MANIFEST, list_checkpoints, load_checkpoint, load_weights,
+                                             resume_checkpoint, save_checkpoint, verify_checkpoint)
 from opdistill.runs.files import read_metrics
-from opdistill.train.rundir import CheckpointError, NonFiniteError, RunWarning
+from opdistill.train.disk.rundir import CheckpointError, NonFiniteError, RunWarning
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 

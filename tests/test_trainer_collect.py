@@ -8,9 +8,9 @@ from opdistill import DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.data import PromptSource
 from opdistill.teachers import LocalTeacher
 from opdistill.train import loop
-from opdistill.train.collect import Collector, needs_sampler_logprobs
-from opdistill.train.config import load_config
-from opdistill.train.step import train_step
+from opdistill.train.steps.collect import Collector, needs_sampler_logprobs
+from opdistill.train.run.config import load_config
+from opdistill.train.steps.step import train_step
 from tests.trainer_helpers import tiny_config_dict
 
 

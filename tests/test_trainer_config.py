@@ -2,7 +2,7 @@
 import pytest
 
 from opdistill import DistillationConfig
-from opdistill.train.config import ConfigError, TrainerConfig, apply_overrides, load_config
+from opdistill.train.run.config import ConfigError, TrainerConfig, apply_overrides, load_config
 
 BASE = {"model": {"student": "s", "teacher": "t"}, "loss": {"topk": 4}}  # top-k mode needs K
 

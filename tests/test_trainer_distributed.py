@@ -34,7 +34,7 @@ from safetensors import safe_open
 from opdistill.data import CARRY_ADD_CHARS
 from opdistill.errors import ConfigError
 from opdistill.train import loop
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.runs.files import read_metrics
 from tests.distributed_trainer import record_rollouts
 from tests.parallel_launch import launch
@@ -58,7 +58,7 @@ def _configs(tmp: Path) -> dict:
     rl["data"] = {"task": "dataset", "path": str(tmp / "rl.jsonl"), "answer_field": "answer", "prompts_per_step": 4,
                   "answer_match": "contains"}
     # sampled-token loss (k3) on models of an odd vocabulary (19 = carry_add's 18 + one unused id): under tp 2 the
-    # lm_head shards are 10 and 9 rows wide, the second padded to 10 columns (train/tensor_parallel.py)
+    # lm_head shards are 10 and 9 rows wide, the second padded to 10 columns (train/run/tensor_parallel.py)
     v19 = tmp / "v19"
     v19.mkdir()
     make_model_dir(v19 / "teacher", hidden=32, layers=2, seed=1, chars=CARRY_ADD_CHARS + "#")
@@ -401,7 +401,7 @@ def test_checkpoint_saved_at_world2_resumes_at_world1_and_world2_and_back(runs):
     # the final student is also a plain transformers folder, holding exactly the sharded state's weights
     from transformers import AutoModelForCausalLM
 
-    from opdistill.train.checkpoint import load_checkpoint
+    from opdistill.train.disk.checkpoint import load_checkpoint
 
     exported = AutoModelForCausalLM.from_pretrained(ckpt)
     from_dcp = AutoModelForCausalLM.from_pretrained(cfgs["on"]["model"]["student"])
@@ -489,7 +489,7 @@ def test_pipelined_step_at_world2_equals_world1(runs):
     assert _tp_tokens(tmp / "out", "tp_on64_s1") == tokens1["on64_s1"]
 
 
-# -- distributed.tp_size > 1: vocab-parallel lm_head (train/tensor_parallel.py) ------------------------------------
+# -- distributed.tp_size > 1: vocab-parallel lm_head (train/run/tensor_parallel.py) ------------------------------------
 
 def _tp_tokens(out: Path, name: str, ranks=(0, 1), steps: int | None = None) -> dict:
     """The tokens of the tp ranks ``ranks`` of one data-parallel rank: its first tp rank sampled every step's rows
@@ -542,7 +542,7 @@ def test_tp2_checkpoints_resume_and_export_the_full_lm_head(runs):
     _assert_close_rows(_losses(w1), full, rel=1e-9)  # the tp checkpoint at world 1
     from transformers import AutoModelForCausalLM
 
-    from opdistill.train.checkpoint import load_checkpoint
+    from opdistill.train.disk.checkpoint import load_checkpoint
 
     ckpt = tmp / "tp_on64" / "checkpoints" / "step_00000004"
     assert json.loads((ckpt / "manifest.json").read_text())["layout"] == "dcp"
@@ -595,7 +595,7 @@ def _tp_config(**over):
 def test_tp_refuses_a_student_it_cannot_shard():
     """Checked before any collective: a vocabulary smaller than tp_size, an output embedding that is not a Linear."""
     from opdistill.models import build_tiny_llama, char_tokenizer
-    from opdistill.train.tensor_parallel import TensorParallel, shard_student
+    from opdistill.train.run.tensor_parallel import TensorParallel, shard_student
 
     student = build_tiny_llama(char_tokenizer(CARRY_ADD_CHARS), hidden_size=16, num_layers=1, num_heads=2)
     with pytest.raises(ConfigError) as e:
@@ -615,12 +615,12 @@ def test_tp_prompt_shares_are_checked_against_the_data_parallel_size():
 
     import torch.distributed as dist
 
-    from opdistill.train.distributed import init_distributed
+    from opdistill.train.run.distributed import init_distributed
 
     env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     cfg = _tp_config(distributed={"tp_size": 2}, data={"prompts_per_step": 3})
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
-            mock.patch("opdistill.train.distributed.agree_on_config"), \
+            mock.patch("opdistill.train.run.distributed.agree_on_config"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=4), \
             mock.patch.object(dist, "get_rank", return_value=0), pytest.raises(ConfigError) as e:
@@ -658,8 +658,8 @@ def test_a_crafted_sharded_checkpoint_is_refused_without_running_code(runs, tmp_
     import pickle
 
     from opdistill.models import load_model
-    from opdistill.train import checkpoint as ckpt_mod
-    from opdistill.train.rundir import CheckpointError
+    from opdistill.train.disk import checkpoint as ckpt_mod
+    from opdistill.train.disk.rundir import CheckpointError
 
     tmp, cfgs, _ = runs
     ckpt = tmp_path / "step_00000004"
@@ -733,12 +733,12 @@ def _init_at_world_2(cfg):
 
     import torch.distributed as dist
 
-    from opdistill.train.distributed import init_distributed
+    from opdistill.train.run.distributed import init_distributed
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     # no real group: the ranks' config agreement (two collectives; tests/test_probe_battery_2.py) is skipped
     with mock.patch.dict(os.environ, env), mock.patch.object(dist, "init_process_group"), \
-            mock.patch("opdistill.train.distributed.agree_on_config"), \
+            mock.patch("opdistill.train.run.distributed.agree_on_config"), \
             mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), \
             mock.patch.object(dist, "get_rank", return_value=0):
@@ -776,7 +776,7 @@ def test_errors_and_warnings_carry_the_rank_under_torchrun(tmp_path, monkeypatch
 _FOREIGN_GROUP = """
 import json, sys
 import torch.distributed as dist
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.train.loop import run_training
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 run_training(load_config(base=json.loads(open(sys.argv[1]).read())), quiet=True)
@@ -807,7 +807,7 @@ def test_a_one_process_group_made_by_someone_else_trains_as_one_process(tmp_path
 
 def test_a_sharded_teacher_needs_a_held_out_problem_on_every_rank():
     """A rank with no held-out problem would skip its teacher forwards while the others wait on its gathers."""
-    from opdistill.train.preflight import check_held_out
+    from opdistill.train.disk.preflight import check_held_out
 
     cfg = _tp_config(model={"student": "s", "teacher": "t", "teacher_sharded": True})
     layout = dict(world=4, dp=4)
@@ -823,7 +823,7 @@ def test_a_sharded_teacher_needs_a_held_out_problem_on_every_rank():
 
 def test_a_sharded_student_needs_a_held_out_problem_on_every_rank():
     """distributed.decode sharded: a rank with no held-out problem would skip its decoding forwards."""
-    from opdistill.train.preflight import check_held_out
+    from opdistill.train.disk.preflight import check_held_out
 
     cfg = _tp_config(distributed={"decode": "sharded"})
     with pytest.raises(ConfigError) as e:
@@ -857,7 +857,7 @@ def test_a_sharded_teacher_too_large_for_a_rank_is_refused_before_loading(tmp_pa
     before any weight is read."""
     from safetensors.torch import load_file
 
-    from opdistill.train.preflight import check_teacher_shards_fit, sharded_teacher_bytes
+    from opdistill.train.disk.preflight import check_teacher_shards_fit, sharded_teacher_bytes
 
     folder = make_model_dir(tmp_path / "teacher", hidden=32, layers=2, seed=1)
     units: dict = {}

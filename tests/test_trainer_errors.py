@@ -16,8 +16,8 @@ from opdistill.cli import main
 from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, DatasetTask, make_task, render_prompt
 from opdistill.errors import ConfigError, DataError, ModelError, UserError
 from opdistill.models import build_tiny_llama, char_tokenizer, load_model, load_tokenizer
-from opdistill.train.config import load_config
-from opdistill.train.preflight import check_against_models, check_model_folders
+from opdistill.train.run.config import load_config
+from opdistill.train.disk.preflight import check_against_models, check_model_folders
 from tests.trainer_helpers import tiny_config_dict
 
 BASE = {"model": {"student": "s", "teacher": "t"}, "loss": {"topk": 4}}

@@ -33,7 +33,8 @@ _PAUSED_TRAIN = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from opdistill.cli import main
-    from opdistill.train import checkpoint, collect
+    from opdistill.train.disk import checkpoint
+    from opdistill.train.steps import collect
 
     marks, pause, pause_save = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from opdistill.runs.files import read_metrics
-from opdistill.train.logger import RunLogger
+from opdistill.train.disk.logger import RunLogger
 
 pytest.importorskip("tensorboard", reason="tensorboard (the [tensorboard] extra) is not installed")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -53,7 +53,7 @@ def test_tensorboard_is_written_off_the_main_thread_and_drained_on_close(tmp_pat
 _SIGTERM_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from torch.utils.tensorboard import SummaryWriter
-    from opdistill.train.logger import RunLogger
+    from opdistill.train.disk.logger import RunLogger
     real = SummaryWriter.add_scalar
     def slow(self, *a, **k):  # a writer that lags behind the training loop
         time.sleep(0.01)

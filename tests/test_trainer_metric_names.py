@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from opdistill.train.config import load_config
+from opdistill.train.run.config import load_config
 from opdistill.runs.files import read_metrics
-from opdistill.train.logger import PROGRESS_KEYS
+from opdistill.train.disk.logger import PROGRESS_KEYS
 from opdistill.train.loop import run_training
 from opdistill.runs.plot import LABELS, PANELS, plot_run
 from tests.trainer_helpers import tiny_config_dict

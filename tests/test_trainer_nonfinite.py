@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 from opdistill import DistillationConfig, DistillationLoss, TeacherScores, TeacherTopK
 from opdistill.cli import main
 from opdistill.models import load_model
-from opdistill.train.checkpoint import list_checkpoints, verify_checkpoint
+from opdistill.train.disk.checkpoint import list_checkpoints, verify_checkpoint
 from opdistill.runs.files import read_metrics
-from opdistill.train.step import StepData, train_step
+from opdistill.train.steps.step import StepData, train_step
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 CAUSES = ("Likely causes: fp16 overflow (model.dtype=float16: use bfloat16 or float32), a learning rate too high "
@@ -76,7 +76,7 @@ def test_a_non_finite_step_is_not_applied(tmp_path, bad):
 
 
 def test_overflow_mid_run_stops_with_exit_2_and_keeps_good_checkpoints(tmp_path, capsys, monkeypatch):
-    from opdistill.train.collect import Collector
+    from opdistill.train.steps.collect import Collector
 
     collect = Collector.__call__
 

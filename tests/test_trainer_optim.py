@@ -1,4 +1,4 @@
-"""The trainer's AdamW (opdistill/train/optim.py): the fused / foreach kernels against a float64 AdamW written out
+"""The trainer's AdamW (opdistill/train/run/optim.py): the fused / foreach kernels against a float64 AdamW written out
 here, bitwise agreement where torch promises it, exact resume through a checkpoint, and the refusals."""
 import pytest
 import torch
@@ -6,9 +6,9 @@ import torch
 from opdistill.data import CARRY_ADD_CHARS
 from opdistill.errors import ConfigError
 from opdistill.models import build_tiny_llama, char_tokenizer
-from opdistill.train.checkpoint import load_checkpoint, save_checkpoint
-from opdistill.train.config import OptimConfig, load_config
-from opdistill.train.optim import build_optimizer, fused_supported
+from opdistill.train.disk.checkpoint import load_checkpoint, save_checkpoint
+from opdistill.train.run.config import OptimConfig, load_config
+from opdistill.train.run.optim import build_optimizer, fused_supported
 
 
 def _cfg(**optim):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from opdistill.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from opdistill.train.disk.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests.trainer_helpers import make_model_dir, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     from opdistill.models import load_model
-    from opdistill.train import checkpoint
+    from opdistill.train.disk import checkpoint
     model = load_model(sys.argv[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -13,7 +13,7 @@ import yaml
 
 from opdistill.cli import main
 from opdistill.runs.files import read_metrics
-from opdistill.train.rundir import (RESUMABLE_KEYS, RunError, RunWarning, atomic_write_text, config_changes,
+from opdistill.train.disk.rundir import (RESUMABLE_KEYS, RunError, RunWarning, atomic_write_text, config_changes,
                                     open_nofollow, open_run_dir)
 from tests.trainer_helpers import tiny_config_dict
 
@@ -90,7 +90,7 @@ def test_resume_needs_a_run_and_a_checkpoint(cfg_file, tmp_path, capsys):
         "--overwrite deletes it")
 
 
-_HOLD = "import sys, time; from opdistill.train.rundir import open_run_dir; rd = open_run_dir(sys.argv[1]); " \
+_HOLD = "import sys, time; from opdistill.train.disk.rundir import open_run_dir; rd = open_run_dir(sys.argv[1]); " \
         "print('held', flush=True); time.sleep(120)"
 
 

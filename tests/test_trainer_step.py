@@ -11,8 +11,8 @@ from opdistill.data import CARRY_ADD_CHARS, CarryAdditionTask, render_prompt
 from opdistill.models import build_tiny_llama, char_tokenizer
 from opdistill.engines.rollout import generate_rollouts
 from opdistill.teachers import score_teacher
-from opdistill.train.config import load_config
-from opdistill.train.step import StepData, group_advantages, token_budget_split, train_step
+from opdistill.train.run.config import load_config
+from opdistill.train.steps.step import StepData, group_advantages, token_budget_split, train_step
 from tests.conftest import ref_topk_objective
 
 

@@ -128,7 +128,7 @@ def test_union_without_requested_ids_is_refused():
 def test_the_samplers_top_k_is_the_students_top_k_and_the_request_adds_the_sampled_token():
     from opdistill.engines.rollout import generate_rollouts
     from opdistill.models import build_tiny_llama, char_tokenizer
-    from opdistill.train.collect import student_choices
+    from opdistill.train.steps.collect import student_choices
 
     tok = char_tokenizer("0123456789+=,>")
     model = build_tiny_llama(tok, hidden_size=32)
@@ -166,7 +166,7 @@ _UNION = "loss.support: expected tail, truncated or renormalized with {} (suppor
 ])
 def test_config_refusals(overrides, message):
     from opdistill.errors import ConfigError
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(base={"model": {"student": "s", "teacher": "t"},

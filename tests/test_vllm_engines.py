@@ -210,7 +210,7 @@ def test_trainer_runs_with_vllm_engines_and_logs_the_mismatch(demo, student_engi
 
     from opdistill.engines.vllm import EngineSet
     from opdistill.train import loop
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
 
     tok, student, teacher, _ = demo
     pushes = []
@@ -260,8 +260,8 @@ def test_vllm_rollouts_with_a_teacher_of_another_tokenizer(demo, student_engine,
 
     from opdistill.engines.vllm import EngineSet
     from opdistill.train import assemble, loop
-    from opdistill.train import collect as collect_mod
-    from opdistill.train.config import load_config
+    from opdistill.train.steps import collect as collect_mod
+    from opdistill.train.run.config import load_config
 
     seen = []
     real_answer = collect_mod.Collector.answer
@@ -311,8 +311,8 @@ def test_pipelined_step_pushes_each_batch_its_own_weight_version(demo, student_e
     from opdistill.teachers import build as build_mod
     from opdistill.teachers.vllm import VllmTeacher
     from opdistill.train import assemble, loop
-    from opdistill.train.config import load_config
-    from opdistill.train.pipeline import Pipeline
+    from opdistill.train.run.config import load_config
+    from opdistill.train.steps.pipeline import Pipeline
 
     tok, student, teacher, _ = demo
     versions, pushed, batches, trainer_pushes = {}, [], {}, []

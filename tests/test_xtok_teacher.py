@@ -152,7 +152,7 @@ def test_chat_templates_that_change_the_response_are_refused_with_the_diff():
 
 
 def test_config_refuses_what_a_cross_tokenizer_teacher_cannot_answer():
-    from opdistill.train.config import load_config
+    from opdistill.train.run.config import load_config
 
     base = ["model.student=builtin:demo-student", "model.teacher=builtin:demo-teacher-bpe", "xtok.mode=bpm"]
     cases = [

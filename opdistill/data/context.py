@@ -61,7 +61,7 @@ def check_template(template: str, hint_field: str | None, key: str = "teacher.co
                           f"it), got {template!r}")
     if ("hint" in names) != (hint_field is not None):
         raise ConfigError("teacher.context.hint_field: " + (
-            f"expected the field {{hint}} reads (a dataset column or a reasoning-gym metadata key), got null"
+            "expected the field {hint} reads (a dataset column or a reasoning-gym metadata key), got null"
             if "hint" in names else f"set, but teacher.context.template has no {{hint}} to put it in, got "
                                     f"{hint_field!r}"))
 

@@ -371,7 +371,7 @@ def _vocab_rows(model, mesh) -> "tuple | None":
     """(body, input embedding rows, lm_head rows) for :class:`Lockstep` when ``model`` is an FSDP2 causal LM of a
     family whose logits are ``lm_head(body(...))`` (_BY_ROWS; its embedding plain, or scaled by a constant as
     Gemma 3's: the rows looked up are multiplied by it) and whose root unit holds only its input embedding
-    and lm_head (``fully_shard`` on every other module that holds parameters: opdistill/train/distributed.py), both
+    and lm_head (``fully_shard`` on every other module that holds parameters: opdistill/train/run/distributed.py), both
     sharded on their vocabulary rows; else None."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard

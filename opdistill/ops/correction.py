@@ -1,6 +1,6 @@
 """The off-policy correction of sampled tokens (SPEC 6.2, 6.5): per-token ratios of the trainer's to the sampler's
 probability, per token or one per sequence, truncated importance-sampling weights and ICE-POP masks. Detached: they
-weigh each token's loss, they carry no gradient (the trainer's step applies them: opdistill/train/step.py)."""
+weigh each token's loss, they carry no gradient (the trainer's step applies them: opdistill/train/steps/step.py)."""
 from __future__ import annotations
 
 import torch

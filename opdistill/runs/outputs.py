@@ -5,7 +5,7 @@ rotates, trims or deletes them (``keep_last`` rotation, ``--resume`` trimming, `
 command writes there would be deleted without a word (an export into ``checkpoints/step_N/sub`` is gone at the next
 rotation) or read as the run's own (a values file in ``eval/``). So every output a command is given (``export
 --out``, ``eval --out`` / ``--values``, ``score --out``, ``compare --out``, ``plot --out``) is refused there by
-:func:`check_output_path`, and a run directory inside another run's entries likewise (``train/rundir.py``).
+:func:`check_output_path`, and a run directory inside another run's entries likewise (``train/disk/rundir.py``).
 
 Two processes writing one output at once (two exports to one ``--out``) are refused by :func:`output_lock`: an OS file
 lock (``filelock``) on ``.NAME.lock`` beside the output, taken before any work and held until the output is in

@@ -12,7 +12,7 @@ interval (:mod:`opdistill.runs.stats`).
     eval/student_mass      sum_k pi(i_k) on the teacher's top-k / tokens;  eval/teacher_mass likewise
     eval/overlap_ratio     |teacher top-k cap student top-k| / (K tokens)
 
-The trainer measures them (``opdistill.train.evaluate``); ``opdistill compare`` reads them back and pairs two
+The trainer measures them (``opdistill.train.steps.evaluate``); ``opdistill compare`` reads them back and pairs two
 evaluations of the same problems.
 """
 from __future__ import annotations

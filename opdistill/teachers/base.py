@@ -152,14 +152,14 @@ class Teacher(abc.ABC):
     #: True: :meth:`submit` runs the request in a background thread (a remote teacher with ``overlap``)
     background: bool = False
     #: True: :meth:`score` runs collectives on the run's group (a sharded teacher): every rank calls it at the same
-    #: point, from the trainer's thread (the pipelined step scores it there: opdistill/train/pipeline.py)
+    #: point, from the trainer's thread (the pipelined step scores it there: opdistill/train/steps/pipeline.py)
     collective: bool = False
     #: what computes the scores, as a teacher server's ``/info`` names it
     engine_name: str = "hf"
     #: the names of the sums its answers carry (``TeacherScores.sums``), which :meth:`step_metrics` reads
     sum_names: tuple = ()
     #: what it cannot answer, by capability, each with the end of the sentence that says why (the config's rules read
-    #: it to refuse a setting before anything loads: opdistill/train/rules.py): ``hidden`` (its final hidden states,
+    #: it to refuse a setting before anything loads: opdistill/train/run/rules.py): ``hidden`` (its final hidden states,
     #: ``loss.loss_mode: full``), ``requested`` (log-probs at ids the caller names, ``loss.support: union``),
     #: ``mapped`` (what a cross-tokenizer teacher reads of the teacher it wraps, ``xtok.mode``)
     cannot: dict = {}

@@ -14,7 +14,7 @@ scoring and the evaluation's, which runs on every rank with at least one problem
 step; nothing else (preflight, caches, ``opdistill eval`` / ``score``) reaches the sharded teacher. Decoding with
 the teacher (``train.method: off_policy``) would run a different number of forwards per rank and is refused, as are
 a teacher cache, a teacher server and a vLLM teacher engine, which hold no in-process teacher to shard
-(:mod:`opdistill.train.config`).
+(:mod:`opdistill.train.run.config`).
 
 The scores are the replicated teacher's exactly: the same row chunks (``row_chunk`` rows) go through the same
 :func:`~opdistill.teachers.local.score_teacher`, with the all-gathered weights bit-identical to the unsharded ones.

@@ -11,7 +11,7 @@
     training        optimizer, schedule, the loss object, the teacher cache (its provenance against the teacher),
                     the checkpoint to resume
     engines         the student's rollout engine (vLLM), then the teachers (``opdistill.teachers.build_teacher``);
-                    the servers' fingerprints, and the record of every input written (rank 0; train/inputs.py)
+                    the servers' fingerprints, and the record of every input written (rank 0; train/disk/inputs.py)
     logging         metrics.jsonl, TensorBoard, wandb (rank 0)
 
 Every resource the run holds (the run directory's lock, engines, teacher connections, the logger) is entered into
@@ -37,22 +37,22 @@ from opdistill.models import (check_compatible, empty_model, load_model, load_sh
                               resolve_model_path, truncate_layers)
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
-from opdistill.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
-from opdistill.train.collect import Collector
-from opdistill.train.config import TrainerConfig, config_to_dict, load_config
-from opdistill.train.distributed import DistContext, wrap_student
-from opdistill.train.inputs import check_inputs, local_inputs, record_inputs, remote_inputs
-from opdistill.train.logger import NullLogger, RunLogger
-from opdistill.train.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
-from opdistill.train.optim import build_optimizer
-from opdistill.train.pipeline import Pipeline
-from opdistill.train.placement import place_models, run_device
-from opdistill.train.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
+from opdistill.train.disk.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.train.steps.collect import Collector
+from opdistill.train.run.config import TrainerConfig, config_to_dict, load_config
+from opdistill.train.run.distributed import DistContext, wrap_student
+from opdistill.train.disk.inputs import check_inputs, local_inputs, record_inputs, remote_inputs
+from opdistill.train.disk.logger import NullLogger, RunLogger
+from opdistill.train.run.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
+from opdistill.train.run.optim import build_optimizer
+from opdistill.train.steps.pipeline import Pipeline
+from opdistill.train.run.placement import place_models, run_device
+from opdistill.train.disk.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
                                        check_finite_weights, check_loaded, check_model_folders, resolve_folder)
-from opdistill.train.rules import check_layout
-from opdistill.train.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
+from opdistill.train.run.rules import check_layout
+from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
                                     set_aside_evaluations)
-from opdistill.train.wandb_log import open_wandb
+from opdistill.train.disk.wandb_log import open_wandb
 
 __all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "build_context", "load_models", "lr_lambda",
            "open_teacher_cache"]
@@ -114,7 +114,7 @@ def load_models(cfg: TrainerConfig, tok=None, *, teacher_shards: bool = False, s
         attn_implementation=mc.attn_implementation)
     if mc.student_from_teacher_layers:
         student = truncate_layers(student, mc.student_from_teacher_layers)
-    if mc.lora is not None:  # only the adapters train; model.teacher "self" = the base with them off (train/lora.py)
+    if mc.lora is not None:  # only the adapters train; model.teacher "self": the base with them off (run/lora.py)
         student = apply_lora(student, mc.lora)
     if mc.teacher == SELF and cfg.teacher.url is not None:  # the server scores: no teacher in this process
         pass
@@ -276,7 +276,7 @@ class Run:
     collect: Collector
     save: object  # save(step=, state=): an atomic, verified checkpoint
     config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
-    pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/pipeline.py)
+    pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/steps/pipeline.py)
     context: TeacherPrompt | None = None  # teacher.context: the teacher's own prompt per problem (SPEC 6.7)
 
 
@@ -286,13 +286,13 @@ class _Opened:
 
     rd: RunDir
     ckpt: Path | None
-    inputs: dict  # the fingerprints of what the run reads from files (train/inputs.py)
+    inputs: dict  # the fingerprints of what the run reads from files (train/disk/inputs.py)
     accepted: dict  # their changes the user named (--accept-changed), to record
 
 
 def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple = ()) -> _Opened:
     """Lock the run directory and apply its rules before any model loads: the checkpoint to resume, the config and
-    the inputs (their fingerprints against the run's record: train/inputs.py)."""
+    the inputs (their fingerprints against the run's record: train/disk/inputs.py)."""
     rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
     try:
         local = local_inputs(cfg)
@@ -317,7 +317,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple =
 
 def _record_inputs(cfg: TrainerConfig, opened: _Opened, teachers, accept: tuple, step: int) -> None:
     """The servers' fingerprints (their /info, read when the teachers connected) checked like the files' on a
-    resume; then the run's record of what it reads written (train/inputs.py). Rank 0."""
+    resume; then the run's record of what it reads written (train/disk/inputs.py). Rank 0."""
     remote = remote_inputs(cfg, teachers)
     accepted = dict(opened.accepted)
     if opened.ckpt is not None:
@@ -348,7 +348,7 @@ def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: in
     written, no weight read. ``nproc``: check as that many processes would run it (torchrun's world size; default:
     this process's). Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
     if nproc is not None and nproc > 1:
-        dp = check_layout(cfg, nproc)  # opdistill/train/rules.py: what torchrun's start-up refuses
+        dp = check_layout(cfg, nproc)  # opdistill/train/run/rules.py: what torchrun's start-up refuses
         ctx = DistContext(rank=0, world=nproc, dp_rank=0, dp_world=dp)
     tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, None)
     return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
@@ -400,13 +400,13 @@ def _loss(cfg: TrainerConfig, ctx: DistContext):
 def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,
              quiet: bool = False, accept_changed: tuple = ()) -> Run:
     """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring). ``accept_changed``:
-    the inputs whose change since the run started a resume accepts (``--accept-changed``; train/inputs.py)."""
+    the inputs whose change since the run started a resume accepts (``--accept-changed``; train/disk/inputs.py)."""
     tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, models)
     rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed))
     stack.enter_context(rd)
     student, teacher_models = _load(cfg, ctx, tok, models)
     params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.optim)  # AdamW, fused where available (opdistill/train/optim.py)
+    optimizer = build_optimizer(params, cfg.optim)  # AdamW, fused where available (opdistill/train/run/optim.py)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
     loss_fn = _loss(cfg, ctx)
     if cache is not None and "model.teacher" in teacher_models:  # the cache's teacher against the loaded one

@@ -1,11 +1,22 @@
-"""The commands besides ``train``, assembled as a run is: ``opdistill eval`` (:func:`evaluate_run`) and ``opdistill
-score`` (:func:`score_cache`). Each reads the config, refuses what it cannot run before a weight loads where it can,
-loads the models (``load_models``), builds its teachers through ``build_teacher`` and does its work; the CLI only
-parses arguments and prints (opdistill/cli.py).
+"""The commands besides ``train``, assembled as a run is: ``opdistill eval`` (:func:`evaluate_run`), ``opdistill
+score`` (:func:`score_cache`) and ``opdistill export`` (:func:`export_run`). Each reads the config, refuses what
+it cannot run before a weight loads where it can, loads the models (``load_models``), builds its teachers through
+``build_teacher`` and does its work; the CLI only parses arguments and prints (opdistill/cli.py).
+
+``export``: a run's student as a plain transformers folder.
+
+The folder holds ``model.safetensors`` (LoRA adapters merged into the base weights; no peft needed to load it),
+``config.json``, ``generation_config.json`` and the tokenizer files: ``AutoModelForCausalLM.from_pretrained(DIR)``
+and vLLM load it as they load any Hugging Face model. The checkpoint is verified (manifest) before it is read; the
+folder is written into a temporary sibling and renamed into place, and an existing non-empty ``--out`` is refused, as
+is an ``--out`` inside a run's entries (a checkpoint folder, ``eval/``, ...: the run's rotation would delete the
+export; ``opdistill.runs.outputs``) and an ``--out`` another process is exporting to (a file lock beside it).
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,16 +25,19 @@ import torch
 from opdistill.data import PromptSource, render_prompt
 from opdistill.errors import ConfigError
 from opdistill.models import resolve_model_path
+from opdistill.runs.outputs import check_output_path, output_lock
 from opdistill.runs.values import nest_intervals
 from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
 from opdistill.train.assemble import build_context, build_task, load_models
-from opdistill.train.checkpoint import load_weights, resume_checkpoint
-from opdistill.train.inputs import check_inputs, local_inputs, remote_inputs
+from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
+from opdistill.train.disk.inputs import check_inputs, local_inputs, remote_inputs
+from opdistill.train.disk.preflight import ModelInfo, check_against_models, check_context, check_model_folders
+from opdistill.train.disk.rundir import CheckpointError, follow_umask
 from opdistill.train.loop import run_eval
-from opdistill.train.preflight import ModelInfo, check_against_models, check_context, check_model_folders
-from opdistill.train.rundir import follow_umask
+from opdistill.train.run.config import load_config
+from opdistill.train.run.lora import apply_lora, merged_model
 
-__all__ = ["EvalReport", "evaluate_run", "score_cache"]
+__all__ = ["EvalReport", "evaluate_run", "export_run", "score_cache"]
 
 
 @dataclass
@@ -48,9 +62,9 @@ def evaluate_run(cfg, *, checkpoint: str | None = None, run_dir: Path | None = N
     """The held-out evaluation of ``cfg``'s student (``checkpoint``: a checkpoint folder, ``latest``: the run's
     newest, None: the configured student) by ``cfg``'s evaluation teacher. ``run_dir``: the run whose record of its
     inputs (student, teacher, data files, a server's identity) the inputs are checked against (``accept``: the
-    changes accepted; train/inputs.py). ``values_path``: also write the per-problem values there."""
+    changes accepted; train/disk/inputs.py). ``values_path``: also write the per-problem values there."""
     check_model_folders(cfg)
-    if run_dir is not None:  # the student, teacher and data files against the run's record (train/inputs.py)
+    if run_dir is not None:  # the student, teacher and data files against the run's record (train/disk/inputs.py)
         check_inputs(run_dir, local_inputs(cfg), accept, what="eval")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -117,3 +131,61 @@ def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bo
                       logprob_dtype=torch.float16 if fp16 else torch.float32)
     follow_umask(Path(path))  # safetensors writes 0600; the cache is data other users' runs may read
     return Path(path), ro.num_rows, int(ro.response_mask.sum())
+
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "latest",
+               accept_changed: tuple = ()) -> Path:
+    """Write RUN_DIR's student at ``checkpoint`` (``latest``: the newest intact one; or a checkpoint folder) to
+    ``out`` as a plain transformers folder; return its path. The student folder (a LoRA run's base, the tokenizer)
+    must be the one the run recorded (train/disk/inputs.py) unless ``accept_changed`` names ``model.student``."""
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"RUN_DIR: '{run_dir}' holds no config.yaml (expected the run_dir of an opdistill train run)")
+    _check_out(out)
+    check_output_path(out, "--out")
+    with output_lock(out, "--out"):
+        _check_out(out)  # again, under the lock: another export may have finished in between
+        return _export(run_dir, out, checkpoint, tuple(accept_changed))
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: '{out}' exists and is not an empty folder; choose a new folder")
+
+
+def _export(run_dir: Path, out: Path, checkpoint: str, accept: tuple) -> Path:
+    from opdistill.models import load_model, load_tokenizer, truncate_layers
+
+    cfg = load_config(run_dir / "config.yaml")
+    check_inputs(run_dir, local_inputs(cfg, only=("model.student",)), accept, what="export")
+    if checkpoint == "latest":
+        ckpt = resume_checkpoint(run_dir)
+    else:
+        ckpt = Path(checkpoint)
+        verify_checkpoint(ckpt)
+    mc = cfg.model
+    path = resolve_model_path(mc.student)
+    tok = load_tokenizer(path, trust_remote_code=mc.trust_remote_code, key="model.student")
+    model = load_model(path, dtype=mc.dtype, trust_remote_code=mc.trust_remote_code, key="model.student")
+    if mc.student_from_teacher_layers:
+        model = truncate_layers(model, mc.student_from_teacher_layers)
+    if mc.lora is not None:
+        model = apply_lora(model, mc.lora)
+    load_weights(ckpt, model)
+    model = merged_model(model)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
+            raise CheckpointError(f"{tmp}: transformers wrote no safetensors weights")
+        follow_umask(tmp)  # safetensors writes 0600: a vLLM server running as another user could not read it
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

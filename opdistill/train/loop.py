@@ -11,7 +11,7 @@ in one ``RunState`` (saved in every checkpoint). The data position is the step n
 are a pure function of seed and step), and the sampling RNG is reseeded from (seed, step) at the start of every step,
 so a run resumed from a checkpoint draws exactly the prompts and samples the uninterrupted run drew; RNG states are
 saved as well for anything outside that.
-Under torchrun the same loop runs on every rank (opdistill/train/distributed.py, docs/distributed.md): each rank
+Under torchrun the same loop runs on every rank (opdistill/train/run/distributed.py, docs/distributed.md): each rank
 samples and scores its share of the step's prompts, the step's GlobalBatch and metrics are reduced over the
 data-parallel group, and rank 0 alone holds the run directory and writes logs and manifests.
 ``train.max_time_s`` bounds the time spent in rollout + teacher + update phases (evaluation and checkpointing
@@ -30,13 +30,13 @@ import torch
 
 from opdistill.runs.values import summarize, values_to_json
 from opdistill.train.assemble import Run, RunState, assemble, build_task, load_models
-from opdistill.train.checkpoint import rng_state
-from opdistill.train.config import TrainerConfig
-from opdistill.train.distributed import DistContext, init_distributed
-from opdistill.train.evaluate import evaluate_values, gather_values
-from opdistill.train.interrupt import StopSignals
-from opdistill.train.rundir import NonFiniteError, atomic_write_text
-from opdistill.train.step import train_step
+from opdistill.train.disk.checkpoint import rng_state
+from opdistill.train.run.config import TrainerConfig
+from opdistill.train.run.distributed import DistContext, init_distributed
+from opdistill.train.steps.evaluate import evaluate_values, gather_values
+from opdistill.train.run.interrupt import StopSignals
+from opdistill.train.disk.rundir import NonFiniteError, atomic_write_text
+from opdistill.train.steps.step import train_step
 
 __all__ = ["RunState", "run_training", "run_eval", "build_task", "load_models"]
 
@@ -83,11 +83,11 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
 
     ``resume``: continue the run in ``cfg.run_dir`` from its newest intact checkpoint (allowed config changes only);
     ``overwrite``: delete the run in ``cfg.run_dir`` first. Without either, a ``run_dir`` holding a run is refused
-    (:class:`RunError`; rules in opdistill/train/rundir.py and docs/reliability.md). ``accept_changed``: input names
-    (``teacher``, ``data.path``, ...) whose change since the run started a resume accepts (train/inputs.py).
+    (:class:`RunError`; rules in opdistill/train/disk/rundir.py and docs/reliability.md). ``accept_changed``: input
+    names (``teacher``, ``data.path``, ...) whose change since the run started a resume accepts (disk/inputs.py).
 
     Stopping (docs/reliability.md): a first SIGINT/SIGTERM (main thread) stops the run after the step in progress
-    and writes that step's checkpoint; a second raises :class:`~opdistill.train.interrupt.Aborted` at once. A step
+    and writes that step's checkpoint; a second raises :class:`~opdistill.train.run.interrupt.Aborted` at once. A step
     that fails part-way in one process (the teacher, an engine or the data raises while the step is collected or
     scored, before its update) writes the checkpoint of the last completed step, then raises with the error's
     ``checkpoint`` attribute naming it; a failing evaluation writes the step's checkpoint with the evaluation

@@ -27,7 +27,7 @@ from opdistill import (DistillationConfig, DistillationLoss, GlobalBatch, Metric
                        shift_for_next_token)
 from opdistill.fused import causal_lm_hidden, no_cache_kwargs
 from opdistill.ops.correction import icepop_weights, sequence_log_ratio, tis_weights
-from opdistill.train.placement import data_to
+from opdistill.train.run.placement import data_to
 
 __all__ = ["StepData", "StepPlan", "token_budget_split", "split_to_count", "group_split", "group_advantages",
            "train_step", "rollout_mismatch", "tis_weights", "icepop_weights",

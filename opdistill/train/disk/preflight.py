@@ -1,7 +1,7 @@
 """Every refusal a run can decide before it loads a weight, and the few that need the loaded weights.
 
-:func:`opdistill.train.config.load_config` checks everything a config alone can tell. What is left needs the machine,
-the process layout or the model folders; :func:`check_before_loading` runs all of it from the folders' metadata
+:func:`opdistill.train.run.config.load_config` checks everything a config alone can tell. What is left needs the
+machine, the process layout or the model folders; :func:`check_before_loading` runs all of it from the folders' metadata
 (``config.json``, the tokenizers) before any model is loaded, so a run that cannot work stops in seconds, not after
 minutes of loading:
 
@@ -34,7 +34,7 @@ from opdistill.data.prompts import warn_unknown_chars
 from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 from opdistill.models import (check_compatible, model_folder, model_positions, num_layers, output_width,
                               resolve_model_path)
-from opdistill.train.config import TrainerConfig
+from opdistill.train.run.config import TrainerConfig
 
 __all__ = ["ModelInfo", "check_model_folders", "check_before_loading", "check_metadata", "check_finite_weights",
            "check_finite_model", "check_loaded", "check_against_models", "check_held_out", "check_routing",
@@ -164,7 +164,7 @@ def check_environment(cfg: TrainerConfig, world: int) -> None:
     import importlib.util
 
     from opdistill.engines.vllm import INSTALL_HINT, vllm_available
-    from opdistill.train.placement import run_device
+    from opdistill.train.run.placement import run_device
 
     engines = [k for k, v in (("rollout.engine", cfg.rollout.engine), ("teacher.engine", cfg.teacher.engine))
                if v == "vllm"]
@@ -244,7 +244,7 @@ def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | N
     ``rollout.vllm_kv_cache_gb`` in host memory: the node's ranks' caches must fit its MemAvailable (``available``
     bytes, for tests), or the run is refused in one line before any model loads. (On a GPU each rank has its own
     device and ``rollout.vllm_gpu_memory_utilization`` of it per engine: vLLM refuses a share it cannot get.)"""
-    from opdistill.train.placement import run_device
+    from opdistill.train.run.placement import run_device
 
     if run_device(cfg).type == "cuda":
         share = cfg.rollout.vllm_gpu_memory_utilization * len(engines)
@@ -378,7 +378,7 @@ def _available_bytes(device_type: str) -> tuple[int | None, str]:
 def check_teacher_shards_fit(cfg: TrainerConfig, folder, *, dp: int, available: tuple | None = None) -> None:
     """Refuse, before any weight is read, a sharded teacher whose shards plus the largest unit a forward gathers
     do not fit what this rank has (``available``: (bytes, where), for tests; default: measured)."""
-    from opdistill.train.placement import run_device
+    from opdistill.train.run.placement import run_device
 
     shards, unit = sharded_teacher_bytes(folder, cfg.model.dtype, dp)
     avail, where = available if available is not None else _available_bytes(run_device(cfg).type)

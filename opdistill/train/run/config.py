@@ -2,7 +2,7 @@
 
 Every field is checked at load: types are strict (``2.5`` is not an int, ``"yes"`` is not a bool), every number is
 finite and inside its bounds, unknown keys are refused; then every rule that the config alone decides runs, one
-table of them (:mod:`opdistill.train.rules`: a teacher for distillation, K for top-k, what the chosen teacher
+table of them (:mod:`opdistill.train.run.rules`: a teacher for distillation, K for top-k, what the chosen teacher
 cannot answer, ...). A failure raises :class:`ConfigError` (a ``ValueError``) with one line that names the dotted
 key, what it expects and what it got, e.g.
 ``optim.lr: expected a number > 0, got 'abc'``. The ``loss`` section is the core
@@ -10,8 +10,8 @@ key, what it expects and what it got, e.g.
 annotations, so the schema has one home) and its own rules then run in its ``__post_init__``.
 
 Checks that need the model folders' metadata (K against the vocabulary, prompt length against the model's positions,
-tokenizers) live in :mod:`opdistill.train.preflight` and run before any model loads; those of the process layout
-(the world size) are :func:`opdistill.train.rules.check_layout`.
+tokenizers) live in :mod:`opdistill.train.disk.preflight` and run before any model loads; those of the process layout
+(the world size) are :func:`opdistill.train.run.rules.check_layout`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from opdistill import DistillationConfig
 from opdistill.errors import ConfigError, quote
-from opdistill.train.rules import check_config
+from opdistill.train.run.rules import check_config
 from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
 __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
@@ -122,7 +122,7 @@ class OptimConfig(_Section):
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
     grad_clip: Optional[float] = Field(1.0, gt=0)
-    # AdamW kernel (opdistill/train/optim.py): auto = fused where torch has it for the device, else foreach
+    # AdamW kernel (opdistill/train/run/optim.py): auto = fused where torch has it for the device, else foreach
     implementation: Literal["auto", "fused", "foreach", "single"] = "auto"
 
 class TrainConfig(_Section):
@@ -136,9 +136,9 @@ class TrainConfig(_Section):
     threads: Optional[int] = Field(None, ge=1)  # torch.set_num_threads; None = leave torch's default
     max_nonfinite_steps: int = Field(3, ge=1)  # this many non-finite steps in a row stop the run
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
-    # --- device placement (opdistill/train/placement.py; docs/distributed.md) ---
+    # --- device placement (opdistill/train/run/placement.py; docs/distributed.md) ---
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: the models on cuda:LOCAL_RANK, nccl under torchrun
-    # --- the pipelined step (opdistill/train/pipeline.py; docs/trainer.md) ---
+    # --- the pipelined step (opdistill/train/steps/pipeline.py; docs/trainer.md) ---
     max_staleness: int = Field(0, ge=0)  # S: step t's rollouts come from the weights after step t-1-S (0: sequential)
 
 
@@ -167,7 +167,7 @@ class CheckpointConfig(_Section):
 
 
 class WandbConfig(_Section):
-    """``log.wandb``: Weights & Biases logging (the ``wandb`` extra; opdistill/train/wandb_log.py)."""
+    """``log.wandb``: Weights & Biases logging (the ``wandb`` extra; opdistill/train/disk/wandb_log.py)."""
 
     project: str = "opdistill"
     name: Optional[str] = None  # the wandb run name; None = wandb's
@@ -186,7 +186,7 @@ class DistributedConfig(_Section):
     strategy: Literal["fsdp2", "ddp"] = "fsdp2"  # how the student is wrapped for data parallelism
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = Field(1800.0, gt=0)  # collective timeout
-    tp_size: int = Field(1, ge=1)  # tensor (vocab) parallel size of the student's lm_head (train/tensor_parallel.py)
+    tp_size: int = Field(1, ge=1)  # tensor (vocab) parallel size of the student's lm_head (run/tensor_parallel.py)
     # what rollouts and evaluation decode with under fsdp2: replica = a whole plain copy of the student per rank
     # (refreshed from the shards before each use; fastest), sharded = the FSDP2 student itself, each layer gathered
     # for its forward and freed after, the ranks' forwards in step (no copy: docs/distributed.md)
@@ -404,7 +404,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         cfg = TrainerConfig.model_validate(data)
     except ValidationError as e:
         raise _one_line(e, TrainerConfig) from None
-    check_config(cfg)  # every refusal the config alone decides (opdistill/train/rules.py)
+    check_config(cfg)  # every refusal the config alone decides (opdistill/train/run/rules.py)
     return cfg
 
 

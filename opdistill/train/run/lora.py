@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from opdistill.errors import ConfigError
-from opdistill.train.rules import lora_targets
+from opdistill.train.run.rules import lora_targets
 
 __all__ = ["SELF", "ADAPTERS", "apply_lora", "peft_of", "AdaptersOff", "self_teacher", "save_model", "load_adapters",
            "merged_model", "enable_gradient_checkpointing"]
@@ -53,7 +53,7 @@ def apply_lora(model, lora) -> torch.nn.Module:
     the transformers model (LoRA layers injected, base frozen, adapters trainable). Deterministic under the torch
     seed (peft initialises A randomly, B at zero: the wrapped model computes exactly the base at first)."""
     peft = _peft()
-    lora_targets(lora)  # never the lm_head (opdistill/train/rules.py)
+    lora_targets(lora)  # never the lm_head (opdistill/train/run/rules.py)
     targets = lora.target_modules
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets if isinstance(targets, str) else list(targets),

@@ -322,7 +322,7 @@ def _check_no_run_inside(path: Path, found: list[str]) -> None:
 
 
 def set_aside_evaluations(path: Path, step: int) -> list[Path]:
-    """A resume from checkpoint ``step`` trims metrics.jsonl to the steps <= ``step`` (``train/logger.py``); the
+    """A resume from checkpoint ``step`` trims metrics.jsonl to the steps <= ``step`` (``train/disk/logger.py``); the
     per-problem values of the evaluations after it (``eval/step_NNNNNN.json``) are renamed to
     ``eval/.discarded-step_NNNNNN.json`` with it: they belong to the timeline the resume recomputes, and left in place
     ``opdistill compare`` would pair the resumed run's start with an evaluation it never reached. Kept for

@@ -1,5 +1,5 @@
 """Run-directory logging: metrics.jsonl (one line per step), TensorBoard events, optional wandb
-(train/wandb_log.py), a console progress bar.
+(train/disk/wandb_log.py), a console progress bar.
 
 metrics.jsonl is appended one whole line per ``os.write`` through a descriptor opened with ``O_NOFOLLOW`` (a symlink
 is refused); a last line torn by a kill is dropped with a warning when read, and cut off when the run resumes. It stays
@@ -9,7 +9,7 @@ TensorBoard is off the hot path: ``log`` hands the step's scalars to a backgroun
 ``SummaryWriter`` (building the event protobufs is ~1 ms a step of Python), through a ``SimpleQueue``. ``close`` drains
 it. A logger used on its own (``sigterm=True``, the default) also drains it on SIGTERM (the handler drains the queue,
 closes the writer, then hands the signal to the handler that was there before, so the exit status is unchanged).
-The trainer passes ``sigterm=False``: its own handler (train/interrupt.py) turns SIGTERM into a stop at the next
+The trainer passes ``sigterm=False``: its own handler (train/run/interrupt.py) turns SIGTERM into a stop at the next
 step, after which the logger is closed, and drained, like at any other end.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from opdistill.runs.files import read_metrics
-from opdistill.train.rundir import atomic_write_text, open_nofollow
+from opdistill.train.disk.rundir import atomic_write_text, open_nofollow
 
 __all__ = ["PROGRESS_KEYS", "RunLogger", "NullLogger"]
 

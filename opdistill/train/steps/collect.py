@@ -6,7 +6,7 @@
     answer: the scores into the StepData (a mask the teacher sends leaves the step; the sums it sends, metrics)
 
 The sequential loop runs the three in a row (:meth:`Collector.rollouts`); the pipelined step makes rows in its own
-thread and decides where the teacher is asked (opdistill/train/pipeline.py).
+thread and decides where the teacher is asked (opdistill/train/steps/pipeline.py).
 
 Sampling is reseeded from (seed, step) at every step and keyed by (seed, step, global prompt index, sample index)
 (``opdistill.engines.sampler``), so a resumed run, and a run at another world size, draws the same samples. Under
@@ -28,9 +28,9 @@ from opdistill.data import PromptSource, Task, TeacherPrompt, render_prompt
 from opdistill.engines.vllm import EngineSet
 from opdistill.loss import TeacherScores
 from opdistill.teachers import Rows, ScoreRequest, Teacher
-from opdistill.train.distributed import DistContext
-from opdistill.train.share import share_step
-from opdistill.train.step import StepData, group_advantages
+from opdistill.train.run.distributed import DistContext
+from opdistill.train.steps.share import share_step
+from opdistill.train.steps.step import StepData, group_advantages
 
 __all__ = ["Batch", "Collector", "needs_sampler_logprobs", "score_request", "student_choices", "union_ids"]
 
@@ -106,7 +106,7 @@ class Collector:
 
     def share(self, data: StepData | None, local: dict | None) -> tuple[StepData, dict]:
         """Under tensor parallelism the first tp rank's ``(data, local)`` on its tp peers, which made none (each
-        rollout and teacher request once per data-parallel rank: opdistill/train/share.py); else unchanged."""
+        rollout and teacher request once per data-parallel rank: opdistill/train/steps/share.py); else unchanged."""
         return share_step(self.ctx, data, local, self.teacher)
 
     def rollouts(self, step: int, student) -> tuple[StepData, dict]:

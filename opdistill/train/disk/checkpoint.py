@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from opdistill.durable import fsync_path, fsync_tree
-from opdistill.train.lora import ADAPTERS, load_adapters, save_model
-from opdistill.train.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
+from opdistill.train.run.lora import ADAPTERS, load_adapters, save_model
+from opdistill.train.disk.rundir import (CheckpointError, NonFiniteError, RunWarning, atomic_write_text,
                                     check_not_symlink, follow_umask)
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint", "load_weights",
@@ -297,7 +297,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
                              tokenizer=tokenizer, group=group, rng=rng, extra=extra)
     _check_finite(model, optimizer, step)
     tmp, final = _prepare_dirs(run_dir, step, str(os.getpid()))
-    save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/lora.py)
+    save_model(model, tmp)  # the whole model, or a LoRA student's adapters only (train/run/lora.py)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     tensors, meta = _split_state(optimizer, scheduler, rng)
@@ -363,7 +363,7 @@ def _save_sharded(run_dir, step: int, model, optimizer, scheduler, state: dict, 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from opdistill.train.distributed import broadcast_text
+    from opdistill.train.run.distributed import broadcast_text
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 

@@ -7,7 +7,7 @@ it expects and what it got. What a teacher can answer is not written here per ``
 value: it is each teacher class's own declaration (``Teacher.cannot``), and
 :func:`opdistill.teachers.build.teacher_sources` says which class a config's settings choose. Refusals that need
 the machine, the model folders or the data (tokenizers, positions, rows) run before any weight loads
-(opdistill/train/preflight.py), those that need loaded weights after.
+(opdistill/train/disk/preflight.py), those that need loaded weights after.
 """
 from __future__ import annotations
 

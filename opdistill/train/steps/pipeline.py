@@ -13,7 +13,7 @@ background thread while the current update runs (SPEC 6.5).
   never merges two of them); an in-process teacher scores in this thread; a teacher whose answer decides the step's
   rows (a cross-tokenizer teacher's mask) is waited for here.
 - **The correction** of the stale samples is the trainer's (``rollout.correction``, required when S > 0):
-  the sampler's log-probs recorded at generation are the behaviour policy's (``train/step.py``: TIS or ICE-POP).
+  the sampler's log-probs recorded at generation are the behaviour policy's (``train/steps/step.py``: TIS or ICE-POP).
 - **Memory**: a replica of the student (the thread generates on it while the trainer updates the original; none
   with a vLLM student engine) and up to S + 1 weight versions as CPU state dicts, whole on every rank.
 - **A vLLM student engine** (``rollout.engine: vllm``) gets version v(t)'s weights pushed from this thread before it
@@ -42,7 +42,7 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from opdistill.train.distributed import DistContext
+from opdistill.train.run.distributed import DistContext
 
 __all__ = ["Pipeline", "source_version", "PREFIX"]
 
@@ -69,7 +69,7 @@ def _time_answer(fut: Future, metrics: dict) -> None:
 
 class Pipeline:
     """Batches of steps ``start + 1 .. steps`` made ahead by ``collect(step, model)`` (the trainer's
-    :class:`~opdistill.train.collect.Collector`) on a replica of ``student``; ``versions``: the weight versions a
+    :class:`~opdistill.train.steps.collect.Collector`) on a replica of ``student``; ``versions``: the weight versions a
     resumed run's checkpoint recorded (``{version: state dict}``); the student's current weights are version
     ``start``."""
 

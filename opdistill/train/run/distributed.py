@@ -15,8 +15,8 @@ holds everything that differs between them (docs/distributed.md):
   evaluation decode a different number of tokens on every rank, so they must not run collectives: under FSDP2 they
   run on a plain replica of the student refreshed from the sharded weights before each use
   (:meth:`DistContext.rollout_model`); under DDP the wrapped module itself has no collectives in its forward.
-- ``distributed.tp_size > 1`` (opdistill/train/tensor_parallel.py): a (dp, tp) mesh, the student's lm_head sharded on
-  the vocabulary over tp, every loss vocab-parallel; ``group``/``mesh`` are then the data-parallel ones (prompt
+- ``distributed.tp_size > 1`` (opdistill/train/run/tensor_parallel.py): a (dp, tp) mesh, the student's lm_head
+  sharded on the vocabulary over tp, every loss vocab-parallel; ``group``/``mesh`` are then the data-parallel ones (prompt
   shares, GlobalBatch, metrics) and ``world_group`` is every rank (rank 0's verdicts, checkpoints, the time limit).
 - Rank 0 alone holds the run-directory lock and writes metrics, TensorBoard and checkpoint manifests; the others wait
   for its verdict (:meth:`DistContext.from_main`), so a refusal reaches every rank instead of a hang.
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from opdistill.errors import ConfigError, UserError, quote
 from opdistill.models import decoder_layers
 from opdistill.runs.files import flatten_config
-from opdistill.train.config import config_to_dict
-from opdistill.train.placement import run_device
-from opdistill.train.rules import check_backend, check_layout
+from opdistill.train.run.config import config_to_dict
+from opdistill.train.run.placement import run_device
+from opdistill.train.run.rules import check_backend, check_layout
 
 __all__ = ["DistContext", "PeerError", "agree_on_config", "broadcast_bytes", "broadcast_text", "init_distributed",
            "launched_by_torchrun", "resolve_backend", "wrap_student"]
@@ -125,7 +125,7 @@ class DistContext:
     strategy: str = "none"  # none | ddp | fsdp2
     decode: str = "replica"  # distributed.decode: what rollouts decode with under fsdp2 (replica | sharded)
     owns_group: bool = False  # init_distributed created the process group (and destroys it on close)
-    # distributed.tp_size > 1 (train/tensor_parallel.py): ``group`` and ``mesh`` are then the data-parallel ones,
+    # distributed.tp_size > 1 (train/run/tensor_parallel.py): ``group`` and ``mesh`` are then the data-parallel ones,
     # ``rank``/``world`` stay global; the tp ranks of a dp rank share its rows
     tp: object = None  # TensorParallel, or None at tp_size 1
     dp_rank: int | None = None  # None: rank (tp_size 1)
@@ -151,7 +151,7 @@ class DistContext:
     @property
     def tp_leader(self) -> bool:
         """Whether this rank makes its data-parallel rank's rollouts and teacher requests: the first rank of its tp
-        group (every rank at tp_size 1); its tp peers receive them (opdistill/train/share.py)."""
+        group (every rank at tp_size 1); its tp peers receive them (opdistill/train/steps/share.py)."""
         return self.tp is None or dist.get_rank(self.tp.group) == 0
 
     @property
@@ -273,9 +273,9 @@ def init_distributed(cfg) -> DistContext:
         # a one-process group someone else made (an in-process vLLM engine initializes one): train as one process
         return DistContext()
     owns = False
-    device = run_device(cfg)  # train.device: cpu, or cuda:LOCAL_RANK (opdistill/train/placement.py)
+    device = run_device(cfg)  # train.device: cpu, or cuda:LOCAL_RANK (opdistill/train/run/placement.py)
     if not dist.is_initialized():
-        check_backend(cfg)  # before the group exists (opdistill/train/rules.py)
+        check_backend(cfg)  # before the group exists (opdistill/train/run/rules.py)
         backend = resolve_backend(dc.backend, device.type)
         if backend == "nccl":  # the loop also reduces small CPU tensors: those go through gloo
             torch.cuda.set_device(device)
@@ -285,10 +285,10 @@ def init_distributed(cfg) -> DistContext:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = DistContext(rank=rank, world=world, strategy=dc.strategy, decode=dc.decode, owns_group=owns)
     try:
-        from opdistill.train.tensor_parallel import build_mesh
+        from opdistill.train.run.tensor_parallel import build_mesh
 
         agree_on_config(config_to_dict(cfg), dist.group.WORLD)  # before anything else reads the config
-        check_layout(cfg, world)  # every rank the same verdict: the config agreed (opdistill/train/rules.py)
+        check_layout(cfg, world)  # every rank the same verdict: the config agreed (opdistill/train/run/rules.py)
         if dc.tp_size > 1:
             build_mesh(ctx, dc.tp_size, device.type)  # (dp, tp): ctx.mesh and ctx.group become the data-parallel ones
         else:
@@ -316,7 +316,7 @@ def wrap_student(ctx: DistContext, student):
     if ctx.decode == "replica":  # decode: sharded decodes from the FSDP2 student itself (engines/sampler.py)
         ctx._replica = copy.deepcopy(student).requires_grad_(False).eval()
     if ctx.tp is not None:  # the lm_head (and a tied embedding) sharded on the vocabulary over tp, before FSDP2
-        from opdistill.train.tensor_parallel import shard_student
+        from opdistill.train.run.tensor_parallel import shard_student
 
         shard_student(student, ctx.tp)
     for layer in decoder_layers(student):

@@ -4,8 +4,8 @@
 student and the teacher on ``cuda:LOCAL_RANK`` (torchrun's local rank; 0 in a plain process) right after they load;
 under torchrun the process group is then nccl for CUDA tensors and gloo for the CPU tensors the loop reduces
 (``cpu:gloo,cuda:nccl``). Rollouts, teacher scores and the step's rows stay on the CPU between phases; each consumer
-(the sampler, the teacher scorer, :func:`opdistill.train.step.train_step`, the evaluation) moves what it reads to its
-model's device. The CUDA path runs only on a machine with a GPU (scripts/gpu_check.py); the default suite runs on CPU.
+(the sampler, the teacher scorer, :func:`opdistill.train.steps.step.train_step`, the evaluation) moves what it reads to
+its model's device. The CUDA path runs only on a machine with a GPU (scripts/gpu_check.py); the default suite runs on CPU.
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def place_models(device: torch.device, student, teacher, *, teacher_sharded: boo
 
 
 def data_to(data, device: torch.device):
-    """A :class:`~opdistill.train.step.StepData` with every tensor (scores and metric groups included) on ``device``
-    (itself when already there). Scores still on their way (a Future) follow the rows when they arrive
+    """A :class:`~opdistill.train.steps.step.StepData` with every tensor (scores and metric groups included) on
+    ``device`` (itself when already there). Scores still on their way (a Future) follow the rows when they arrive
     (``StepData.teacher_scores``)."""
     if data.input_ids.device == device:
         return data

@@ -3,7 +3,7 @@
 
 The tp ranks of a data-parallel rank train on the same rows, so only its first tp rank (``DistContext.tp_leader``)
 decodes the rollouts, asks the teacher (a server gets one request, not tp_size) and computes the rewards; its
-:class:`~opdistill.train.step.StepData` and local metrics reach the peers in one broadcast over the tp group
+:class:`~opdistill.train.steps.step.StepData` and local metrics reach the peers in one broadcast over the tp group
 (:func:`share_step`). The payload is a safetensors blob (no pickle between ranks): the rows, the sampler's log-probs,
 advantages, metric groups, the teacher's scores (top-k, sampled, requested log-probs, hidden states; a
 :class:`~opdistill.loss.signals.GroupedScores` part by part) and the local metric sums. A teacher's output head (the
@@ -18,8 +18,8 @@ import struct
 import torch
 
 from opdistill.loss.signals import GroupedScores, TeacherScores, TeacherTopK
-from opdistill.train.distributed import DistContext, broadcast_bytes
-from opdistill.train.step import StepData
+from opdistill.train.run.distributed import DistContext, broadcast_bytes
+from opdistill.train.steps.step import StepData
 
 __all__ = ["share_step", "pack_step", "unpack_step"]
 

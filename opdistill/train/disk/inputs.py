@@ -257,7 +257,7 @@ def check_inputs(run_dir, current: dict, accept: tuple[str, ...], *, what: str) 
 def record_inputs(rd, inputs: dict, accepted: dict, *, step: int) -> None:
     """Write the run's record: ``inputs.json`` when the run has none (a fresh run, or one that started before this
     version: then with a warning), else the accepted changes appended to ``config_history.jsonl``."""
-    from opdistill.train.rundir import append_history, atomic_write_text
+    from opdistill.train.disk.rundir import append_history, atomic_write_text
 
     path = rd.path / INPUTS_FILE
     if not os.path.lexists(path):
