@@ -4,8 +4,11 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opdistill.data import DatasetTask, PromptSource, ReasoningGymTask, extract_answer, make_task, match_answer
+from opdistill.data.answers import ANSWER_MATCH
 from opdistill.data.prompts import render_prompt, split_held_out
 from opdistill.errors import ConfigError, DataError
 from opdistill.models import char_tokenizer
@@ -222,8 +225,8 @@ def test_trainer_trains_on_chat_rows_and_evaluates_only_held_out(tmp_path, monke
 
     from opdistill.cli import main
     from opdistill.data import prompts as prompts_mod
-    from opdistill.train import loop
     from opdistill.runs.files import read_metrics
+    from opdistill.train import loop
     from tests.trainer_helpers import make_model_dir
 
     chars = "abcdefghijklmnopqrstuvwxyz[]0123456789 ?#"
@@ -264,3 +267,31 @@ def test_trainer_trains_on_chat_rows_and_evaluates_only_held_out(tmp_path, monke
     assert len(seen["train"]) == 9 and set(seen["train"]) <= {f"what is {i}" for i in range(12)}
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "eval/greedy_acc" in r] == [0, 2, 3]
+
+
+_ANSWER_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(
+    ["Paris", "72", "#### 72", "work\n#### 12", "\\boxed{x+1}", "The answer is 5 apples.", "Paris, 3 million", "####",
+     "", " 7 \n", "$1,000.", "\\boxed{", "a\n\nb"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(reference=_ANSWER_TEXT, mode=st.sampled_from(ANSWER_MATCH))
+def test_no_mode_scores_a_reference_against_itself_zero(reference, mode):
+    # issue 35 item 2: a bare-answer reference (TRL messages data, final_assistant: answer) scored 0 against itself
+    assert match_answer(reference, reference, mode) == 1.0
+
+
+def test_a_bare_word_answer_is_read_off_the_last_line():
+    assert match_answer("Paris", "Paris") == 1.0 and match_answer("Paris", "Let me think.\nParis.") == 1.0
+    assert match_answer("Paris", "The capital is Paris") == 0.0  # the last line is the answer, not a search
+    assert match_answer("Paris", "London") == 0.0 and match_answer("Paris", "") == 0.0
+    assert match_answer("72", "no number here") == 0.0  # a numeric reference needs a number
+
+
+def test_messages_rows_ending_with_a_bare_answer_score_their_own_answer(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": a}]}
+            for a in ("Paris", "Rome", "The answer is 5 apples.")]
+    task = DatasetTask(_write(tmp_path / "m.jsonl", rows), prompt_field="messages", final_assistant="answer")
+    for p in task.rows:
+        assert task.score(p, p.answer) == 1.0
+    assert task.score(task.rows[0], "Rome") == 0.0

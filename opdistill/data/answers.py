@@ -5,7 +5,10 @@ of ``data.answer_match``.
 else the content of the last ``\\boxed{...}`` (nested braces allowed), else the last number; the same extraction runs
 on the reference answer (so a GSM8K ``answer`` column holding the worked solution and ``#### 72`` works as is). Two
 answers that both read as numbers (commas, ``$`` and ``%`` dropped) match when they are equal within 1e-6 relative;
-otherwise they match when equal after whitespace is collapsed and a trailing period dropped.
+otherwise they match when equal after whitespace is collapsed and a trailing period dropped. A completion with no
+marker and no number answers with its last line (``Paris`` answers ``Paris``), and a completion written exactly as
+the reference (or its extracted answer) is written, up to whitespace and a trailing period, always matches: no mode
+scores a reference against itself 0 (tests/test_data_ecosystem.py, a property test over every mode).
 ``exact``: the completion, stripped, equals the reference, stripped. ``contains``: the reference, stripped, occurs in
 the completion (the old substring test: ``1`` is found in ``10``, so it over-counts).
 """
@@ -64,9 +67,18 @@ def match_answer(reference: str, completion: str, mode: str = "math") -> float:
         return float(reference.strip() in completion)
     if mode != "math":
         raise ValueError(f"data.answer_match: expected one of {list(ANSWER_MATCH)}, got {mode!r}")
+    if _norm(completion) == _norm(reference):
+        return 1.0  # the answer written as the reference writes it (a bare word, a phrase with a number in it)
     gold = extract_answer(reference) if ("####" in reference or "\\boxed{" in reference) else reference.strip()
+    if gold is None:
+        return 0.0
+    if _norm(completion) == _norm(gold):
+        return 1.0
     pred = extract_answer(completion)
-    if gold is None or pred is None:
+    if pred is None:  # no marker and no number: the completion's last line is its answer
+        lines = [line for line in completion.splitlines() if line.strip()]
+        pred = lines[-1].strip() if lines else None
+    if pred is None:
         return 0.0
     a, b = _number(gold), _number(pred)
     if a is not None and b is not None:
