@@ -8,7 +8,7 @@ import traceback
 import warnings
 
 from opdistill.console import metrics_table, one_line_warning as _one_line_warning, quiet_transformers, rank as _rank
-from opdistill.console import rank_tag as _rank_tag, resume_advice as _resume_advice, train_report
+from opdistill.console import console_logging, rank_tag as _rank_tag, resume_advice as _resume_advice, train_report
 from opdistill.errors import ConfigError, UserError
 
 __all__ = ["main"]
@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     try:
-        return args.fn(args) or 0
+        with console_logging():
+            return args.fn(args) or 0
     except (UserError, KeyboardInterrupt) as e:
         return _failed(args, e)
     except Exception as e:  # a bug: its traceback follows; what the run kept first

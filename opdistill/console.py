@@ -3,12 +3,15 @@ from, and the rank under torchrun), a metrics table, where a run's files are, an
 run that stopped. The CLI's formatting, in one place (opdistill/cli.py parses arguments and calls the commands)."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 
 from opdistill.errors import UserError
 
 __all__ = ["metrics_table", "quiet_transformers", "rank", "rank_tag", "resume_advice", "run_files", "train_report",
-           "one_line_warning"]
+           "one_line_warning", "console_logging"]
 
 
 def quiet_transformers():
@@ -145,3 +148,38 @@ def one_line_warning(message, category, filename, lineno, line=None):
     if origin == "opdistill":
         return f"opdistill: {rank_tag()}warning: {message}\n"
     return f"opdistill: {rank_tag()}warning from {origin} ({category.__name__}): {message}\n"
+
+
+class _ConsoleHandler(logging.Handler):
+    """opdistill's log records on stderr, in the warnings' format: ``opdistill: [rank R] warning: ...`` from WARNING
+    up (``error:`` from ERROR), ``opdistill: ...`` for INFO; written through tqdm, so a progress bar on the terminal
+    is redrawn under the line instead of being written over."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = "error: " if record.levelno >= logging.ERROR else "warning: " if record.levelno >= logging.WARNING \
+                else ""
+            line = f"opdistill: {rank_tag()}{level}{record.getMessage()}"
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                print(line, file=sys.stderr, flush=True)
+            else:
+                tqdm.write(line, file=sys.stderr)
+        except Exception:  # noqa: BLE001 -- logging's own rule: a failing handler reports and goes on
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def console_logging(level: int = logging.INFO):
+    """While a command runs: the ``opdistill`` loggers print through :class:`_ConsoleHandler` from ``level`` up
+    (records still reach the root logger's handlers, e.g. a caller's or pytest's)."""
+    root = logging.getLogger("opdistill")
+    handler, old_level = _ConsoleHandler(level), root.level
+    root.addHandler(handler)
+    root.setLevel(level)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)

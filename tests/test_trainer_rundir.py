@@ -167,8 +167,10 @@ def test_resume_refuses_meaning_changes_with_the_full_diff(cfg_file, tmp_path, c
                   "train.steps=3") == 2
     assert _last_err_line(capsys) == (
         f"opdistill train: run error: --resume: the config changes what run {run} means: loss.divergence 'forward' -> "
-        f"'reverse', optim.lr 0.01 -> 0.05, train.seed 0 -> 7; only {', '.join(RESUMABLE_KEYS)} may change on "
-        f"resume (start another run_dir, or use --overwrite to replace this run)")
+        f"'reverse', optim.lr 0.01 -> 0.05, train.seed 0 -> 7; to continue the run, give its own values again (e.g. "
+        f"the overrides it started with): loss.divergence=forward optim.lr=0.01 train.seed=0 (only "
+        f"{', '.join(RESUMABLE_KEYS)} may change on resume; another run_dir starts a new run, and --overwrite deletes "
+        f"this one)")
     assert (run / "config.yaml").read_bytes() == config_before
     assert not (run / "config_history.jsonl").exists()
     assert _step_lines(run) == [1, 2]
@@ -181,6 +183,11 @@ def test_resume_logs_allowed_changes_and_never_rewrites_config_yaml(cfg_file, tm
     with pytest.warns(RunWarning, match=r"train.steps changed 2 -> 3: the cosine schedule now decays over 3 steps"):
         assert _train(cfg_file, "--resume", "train.steps=3", "log.tensorboard=true") == 0
     assert _step_lines(run) == [1, 2, 3]
+    err = capsys.readouterr().err.splitlines()  # issue 35: a resume says where it starts and what it changed
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert f"opdistill: resuming {run} from step 2 ({ckpt})" in err
+    assert "opdistill: --resume changes train.steps: 2 -> 3 (recorded in config_history.jsonl)" in err
+    assert "opdistill: --resume changes log.tensorboard: False -> True (recorded in config_history.jsonl)" in err
     assert (run / "config.yaml").read_bytes() == config_before
     rows = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["resumed_at_step"] == 2
@@ -189,6 +196,7 @@ def test_resume_logs_allowed_changes_and_never_rewrites_config_yaml(cfg_file, tm
     # the same values again: nothing new to log (compared with config.yaml + the history)
     assert _train(cfg_file, "--resume", "train.steps=3", "log.tensorboard=true") == 0
     assert len((run / "config_history.jsonl").read_text().splitlines()) == 1
+    assert not [line for line in capsys.readouterr().err.splitlines() if "--resume changes" in line]
     # back to the file's values: that is a change too, and it is logged
     assert _train(cfg_file, "--resume", "train.steps=3") == 0
     last = json.loads((run / "config_history.jsonl").read_text().splitlines()[-1])

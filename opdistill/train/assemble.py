@@ -20,6 +20,7 @@ one ``ExitStack``, closed in reverse order however the run ends.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from contextlib import ExitStack
@@ -53,6 +54,8 @@ from opdistill.train.run.rules import check_layout
 from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.disk.wandb_log import open_wandb
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "build_context", "load_models", "lr_lambda",
            "open_teacher_cache"]
@@ -299,8 +302,12 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple =
         if not resume:
             return _Opened(rd, None, local, {})
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
+        step = int(ckpt.name.split("_")[1])
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
-                                         config_to_dict(cfg), step=int(ckpt.name.split("_")[1]))
+                                         config_to_dict(cfg), step=step)
+        log.info("resuming %s from step %d (%s)", rd.path, step, ckpt)
+        for key, (was, now) in changes.items():  # allowed, recorded in config_history.jsonl, and said
+            log.info("--resume changes %s: %r -> %r (recorded in config_history.jsonl)", key, was, now)
         check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
         if "train.steps" in changes and cfg.optim.schedule == "cosine":
             warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "

@@ -23,6 +23,7 @@ import fnmatch
 import json
 import os
 import re
+import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -31,7 +32,7 @@ from opdistill.durable import write_whole
 from opdistill.errors import RunError, RunWarning
 from opdistill.runs.files import flatten_config, read_jsonl
 from opdistill.runs.outputs import LOCK_NAME as _LOCK, RUN_ENTRIES, owner_of, try_lock
-from opdistill.yaml12 import dump_yaml
+from opdistill.yaml12 import dump_yaml, load_yaml
 
 __all__ = ["RunError", "CheckpointError", "NonFiniteError", "RunWarning", "RESUMABLE_KEYS", "RUN_ENTRIES",
            "RunDir", "open_run_dir", "config_changes", "check_not_symlink", "open_nofollow", "atomic_write_text",
@@ -151,6 +152,18 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple]:
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def override(key: str, value) -> str:
+    """``key=value`` as a dotted override that reads back as ``value`` (YAML: null, true/false, numbers, and
+    strings that would read as something else quoted; lists and mappings in JSON flow style)."""
+    if isinstance(value, str):
+        try:
+            plain = value != "" and load_yaml(value) == value
+        except Exception:  # noqa: BLE001 -- any text that does not read back as itself is quoted
+            plain = False
+        return f"{key}={value if plain else json.dumps(value)}"
+    return f"{key}={json.dumps(value)}"
+
+
 def _fmt_changes(changes: dict[str, tuple]) -> str:
     return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
 
@@ -225,9 +238,11 @@ class RunDir:
         changes = config_changes(old, new)
         refused = {k: v for k, v in changes.items() if not _resumable(k, v)}
         if refused:
-            raise RunError(f"--resume: the config changes what run {self.path} means: {_fmt_changes(refused)}; only "
-                           f"{', '.join(RESUMABLE_KEYS)} may change on resume (start another run_dir, or use "
-                           f"--overwrite to replace this run)")
+            repeat = " ".join(shlex.quote(override(k, a)) for k, (a, _) in refused.items())
+            raise RunError(f"--resume: the config changes what run {self.path} means: {_fmt_changes(refused)}; to "
+                           f"continue the run, give its own values again (e.g. the overrides it started with): "
+                           f"{repeat} (only {', '.join(RESUMABLE_KEYS)} may change on resume; another run_dir starts "
+                           f"a new run, and --overwrite deletes this one)")
         if changes:
             append_history(self, {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                   "resumed_at_step": step,
