@@ -13,6 +13,7 @@ Design notes
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -73,7 +74,42 @@ def model_folder(path: str | os.PathLike, key: str | None = None) -> str:
         raise ModelError(f"{where}'{path}' is a file, expected a model folder")
     if not _HUB_ID.match(str(path)):
         raise ModelError(f"{where}no such folder '{path}'")
-    return str(path)  # a hub id: loaded where a network exists
+    hub_unreachable(str(path), where)
+    return str(path)  # a hub id: in the hub cache, or loaded over the network
+
+
+def hub_unreachable(name: str, where: str) -> None:
+    """A hub id that is not in the local hub cache and cannot be fetched is refused at once in one line: with
+    ``HF_HUB_OFFLINE`` set, or when the hub's host does not resolve or connect within 3 s (transformers would
+    retry for about a minute before its own error)."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # cached: transformers loads it without the network
+    advice = "give a local model folder (or builtin:smollm2), or download it where the hub can be reached"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"{where}'{name}' is no folder here and not in the hub cache ({constants.HF_HUB_CACHE}), "
+                         f"and HF_HUB_OFFLINE is set; {advice}")
+    reason = _hub_reason(constants.ENDPOINT)
+    if reason is not None:
+        raise ModelError(f"{where}'{name}' is no folder here and not in the hub cache ({constants.HF_HUB_CACHE}), "
+                         f"and the hub {constants.ENDPOINT} cannot be reached ({reason}); {advice}")
+
+
+@functools.lru_cache(maxsize=4)
+def _hub_reason(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be reached (a TCP connection to its host, 3 s), or None when it can."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def _from_pretrained(load, path, key):

@@ -195,6 +195,48 @@ def test_model_folder_errors_name_the_key(tmp_path):
     assert str(e.value).startswith("model.student: unknown builtin 'builtin:nah' (known: ")
 
 
+@pytest.fixture
+def no_hub_cache(monkeypatch, tmp_path):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from opdistill import models
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    models._hub_reason.cache_clear()
+    yield constants
+    models._hub_reason.cache_clear()
+
+
+def test_a_hub_name_without_the_hub_is_one_line_at_once(no_hub_cache, cfg_file, monkeypatch, tmp_path, capsys):
+    # issue 35 item 6: 52 s of retries and 20 lines before the error; now refused before anything loads
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setattr(no_hub_cache, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError) as e:
+        load_tokenizer(name, key="model.student")
+    assert str(e.value) == (f"model.student: '{name}' is no folder here and not in the hub cache ({tmp_path / 'hub'}), "
+                            f"and HF_HUB_OFFLINE is set; give a local model folder (or builtin:smollm2), or download "
+                            f"it where the hub can be reached")
+    monkeypatch.setattr(no_hub_cache, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(no_hub_cache, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    assert main(["check", "--config", str(cfg_file), f"model.teacher={name}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"opdistill check: model error: model.teacher: '{name}' is no folder here and not in the hub cache "
+        f"({tmp_path / 'hub'}), and the hub http://127.0.0.1:9 cannot be reached (")
+
+
+def test_a_cached_hub_name_is_not_probed(monkeypatch):
+    import huggingface_hub
+
+    from opdistill import models
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    monkeypatch.setattr(models, "_hub_reason", lambda endpoint: pytest.fail("probed the hub for a cached name"))
+    assert models.model_folder("org/cached", "model.student") == "org/cached"
+
+
 def test_task_args_errors_name_the_key():
     with pytest.raises(ConfigError) as e:
         make_task("carry_add", digits=3)
