@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--max-k", type=int, default=64, help="largest top-K a client may ask (default 64)")
     st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
                     help="the teacher's weights and scoring dtype (default float32)")
-    st.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads (default: torch's)")
+    st.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads (default: half this "
+                    "machine's cores when bound to loopback, where the trainer runs too; every core otherwise)")
     st.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code (default: off)")
     st.add_argument("--max-model-len", type=int, default=None,
                     help="vllm engine: the longest row it takes (default: the model's context length)")

@@ -593,3 +593,15 @@ def test_vllm_style_endpoint_errors_name_the_server_and_the_request(models, fake
     with StockVllmTeacher(fake_vllm, model="other") as c:
         with pytest.raises(TeacherServiceError, match=r"teacher.model='other' is not served \(served: \['the-teacher'\]\)"):
             c.check_student(None)
+
+
+@pytest.mark.parametrize("host, cores, want", [("127.0.0.1", 2, 1), ("localhost", 16, 8), ("::1", 1, 1),
+                                               ("0.0.0.0", 2, 2), ("10.0.0.5", 16, 16)])
+def test_a_server_on_the_trainers_machine_leaves_it_half_the_cores(monkeypatch, host, cores, want):
+    # issue 35 item 4: at torch's default (every core) a loopback server halved the trainer's speed on 2 cores
+    import os
+
+    from opdistill.serve.app import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_threads(host) == want

@@ -47,6 +47,7 @@ import asyncio
 import hmac
 import json
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -530,6 +531,17 @@ def header_deadline_protocol(timeout_s: float):
     return HeaderDeadlineH11
 
 
+def default_threads(host: str) -> int:
+    """Torch threads of a server not told (``--threads``): bound to this machine only (a loopback host), half its
+    cores, since the trainer that asks it runs here too (both at every core: each step about twice as slow, measured
+    in issue 35); bound to the network, every core (a machine of its own)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2) if host in LOOPBACK_HOSTS else cores
+
+
 def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int = 8000, token_file: str | None = None,
           max_batch_tokens: int = 65536, max_request_tokens: int = 262144, max_k: int = 64, dtype: str = "float32",
           trust_remote_code: bool = False, threads: int | None = None, max_model_len: int | None = None,
@@ -556,8 +568,7 @@ def serve(model: str, *, engine: str = "hf", host: str = "127.0.0.1", port: int 
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ServeError(f"{name}: expected a finite number of seconds > 0, got {v}")
     check_engine(engine, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or default_threads(host))
     try:
         path = resolve_model_path(model)
     except (ValueError, FileNotFoundError) as e:  # an unknown builtin, a missing packaged model
