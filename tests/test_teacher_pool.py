@@ -384,3 +384,27 @@ def test_a_routed_teacher_reports_its_pools_metrics_under_its_name(teacher):
     m = routed.metrics()
     assert m["teacher/a/server/0/requests"] == 1 and m["teacher/a/servers_healthy"] == 2
     assert not any(k.startswith("teacher/b/") for k in m)
+
+
+def test_a_server_taken_out_is_one_warning_line_that_says_the_run_goes_on(teacher, capsys):
+    # issue 35 item 5: the pool's warning had no 'opdistill: warning:' prefix, was written over the progress bar,
+    # and told the user to --resume although the run goes on by itself
+    from opdistill.console import console_logging
+    from opdistill.teachers.http import HttpClient
+
+    client = HttpClient("http://127.0.0.1:9", timeout_s=2, retries=0, key="teacher.url.0")  # nothing listens
+    try:
+        with pytest.raises(TeacherUnavailable) as e:
+            client.request("GET", "/info", "server info")
+    finally:
+        client.close()
+    assert str(e.value).endswith("then continue the run with --resume")  # alone, the run stops: the advice holds
+    assert "--resume" not in e.value.reason and e.value.reason.startswith("GET /info (server info) failed after 1 tries")
+    t, _ = teacher
+    pool, (a, b) = _pool(t, probe_s=60)
+    a.score = lambda rows, request: (_ for _ in ()).throw(e.value)  # server 0 fails as the real client does
+    with console_logging():
+        pool.score(_rows(seed=3), REQ)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"opdistill: warning: teacher.url.0=http://127.0.0.1:9000: taken out of the pool ({e.value.reason}); "
+                   f"its requests go to the other servers and the run goes on"]

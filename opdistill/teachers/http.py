@@ -60,7 +60,12 @@ class TeacherServiceError(UserError, RuntimeError):
 class TeacherUnavailable(TeacherServiceError):
     """The server gave no answer after the retries (connection refused or reset, deadlines, 5xx): the one failure a
     pool of servers (``opdistill.teachers.pool``) answers by sending the request to another server. A refusal (4xx)
-    or a malformed or invalid answer is a :class:`TeacherServiceError` and is never retried elsewhere."""
+    or a malformed or invalid answer is a :class:`TeacherServiceError` and is never retried elsewhere. ``reason``:
+    what failed without the advice to the user (a pool, which goes on without the server, says only that)."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
 
 
 def _detail(resp) -> str:
@@ -177,9 +182,9 @@ class HttpClient:
             self.requests += 1
             self.bytes_received += len(resp.content)
             return resp
-        raise TeacherUnavailable(f"{self.where()}: {method} {path} ({what}) failed after {self.retries + 1} tries "
-                                  f"({last}); start the teacher server or fix {self.key}, then continue the run with "
-                                  f"--resume")
+        reason = f"{method} {path} ({what}) failed after {self.retries + 1} tries ({last})"
+        raise TeacherUnavailable(f"{self.where()}: {reason}; start the teacher server or fix {self.key}, then "
+                                 f"continue the run with --resume", reason=reason)
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -194,8 +194,8 @@ class TeacherPool(Teacher):
                 if s.healthy:
                     s.healthy, s.last_error = False, str(failed)
                     s.next_probe = time.monotonic() + self.probe_s
-                    log.warning("%s: taken out of the pool (%s); its requests go to the other servers",
-                                s.client.http.where(), " ".join(str(failed).split())[:300])
+                    log.warning("%s: taken out of the pool (%s); its requests go to the other servers and the run "
+                                "goes on", s.client.http.where(), " ".join(failed.reason.split())[:300])
             elif seconds is not None:
                 st = s.stats
                 st["requests"] += 1
