@@ -203,3 +203,14 @@ def test_distillation_loss_bad_calls():
         TeacherTopK(lp, lp)
     with pytest.raises(TypeError, match="config must be a DistillationConfig"):
         DistillationLoss({"loss_mode": "topk"})
+
+
+def test_full_vocabulary_says_which_keys_it_ignores(caplog):
+    # issue 35 item 7: loss_mode full silently ignored loss.topk / support / divergence
+    with caplog.at_level("WARNING"):
+        DistillationConfig(loss_mode="full", beta=1.0)
+    assert caplog.text == ""
+    with caplog.at_level("WARNING"):
+        DistillationConfig(loss_mode="full", topk=8, divergence="reverse")
+    assert ("loss_mode='full' ignores topk=8, divergence='reverse': it takes every token of the vocabulary and beta "
+            "chooses the divergence (beta 0.5: 0 = forward KL, 1 = reverse KL, between = generalized JSD)") in caplog.text

@@ -113,6 +113,14 @@ class DistillationConfig:
                 f"estimator={self.estimator!r} as a supervised loss has zero expected gradient "
                 "(E_pi[grad log pi] = 0): use k3 or k2 supervised, or k1 with use_policy_gradient=True"
             )
+        if self.loss_mode == "full":
+            unused = {k: v for k, v, default in (("topk", self.topk, None), ("support", self.support, "tail"),
+                                                ("divergence", self.divergence, "forward")) if v != default}
+            if unused:  # issue 35 item 7: these were ignored without a word
+                logger.warning(
+                    "loss_mode='full' ignores %s: it takes every token of the vocabulary and beta chooses the "
+                    "divergence (beta %.3g: 0 = forward KL, 1 = reverse KL, between = generalized JSD)",
+                    ", ".join(f"{k}={v!r}" for k, v in unused.items()), self.beta)
         if self.use_policy_gradient and self.loss_mode in ("topk", "full"):
             # SPEC 3.4 allows it (verl offers it) but it is almost never what the user wants: see docs/losses.md.
             logger.warning(
