@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -177,11 +178,13 @@ def _score(args):
 
 
 def _cmd_export(args):
-    from opdistill.train.commands import export_run
+    from opdistill.train.commands import EXPORT_RECORD, export_run
     from opdistill.train.disk.inputs import parse_accept_changed
 
     accept = parse_accept_changed(args.accept_changed)
-    print(f"wrote {export_run(args.run_dir, args.out, checkpoint=args.checkpoint, accept_changed=accept)}")
+    out = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, accept_changed=accept)
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    print(f"wrote {out}: the student of {args.run_dir} at step {record['step']} (checkpoints/{record['checkpoint']})")
 
 
 def _cmd_serve_teacher(args):

@@ -1,4 +1,5 @@
 """Weights follow the umask like every other file (safetensors writes 0600): checkpoints, exports, teacher caches."""
+import json
 import os
 import stat
 from pathlib import Path
@@ -15,12 +16,17 @@ def _modes(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o007])
-def test_weights_follow_the_umask(tmp_path, umask):
+def test_weights_follow_the_umask(tmp_path, umask, capsys):
     cfg = tiny_config_dict(tmp_path, steps=1, eval={"num_prompts": 0})
     old = os.umask(umask)
     try:
         run_training(load_config(base=cfg), quiet=True)
         assert main(["export", cfg["run_dir"], "--out", str(tmp_path / "export")]) == 0
+        # issue 35 item 7: export says which checkpoint it wrote, on the terminal and in the folder
+        assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'export'}: the student of {cfg['run_dir']} at "
+                                                   f"step 1 (checkpoints/step_00000001)")
+        assert json.loads((tmp_path / "export" / "opdistill_export.json").read_text()) == {
+            "run_dir": str(Path(cfg["run_dir"]).resolve()), "checkpoint": "step_00000001", "step": 1}
         assert main(["score", "--config", _write(tmp_path, cfg), "--out", str(tmp_path / "cache.safetensors"),
                      "--num-prompts", "2"]) == 0
     finally:

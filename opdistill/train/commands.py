@@ -133,10 +133,14 @@ def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bo
     return Path(path), ro.num_rows, int(ro.response_mask.sum())
 
 
+EXPORT_RECORD = "opdistill_export.json"  # in an exported folder: the run and the checkpoint it was written from
+
+
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "latest",
                accept_changed: tuple = ()) -> Path:
     """Write RUN_DIR's student at ``checkpoint`` (``latest``: the newest intact one; or a checkpoint folder) to
-    ``out`` as a plain transformers folder; return its path. The student folder (a LoRA run's base, the tokenizer)
+    ``out`` as a plain transformers folder, with :data:`EXPORT_RECORD` naming the run and checkpoint; return its
+    path. The student folder (a LoRA run's base, the tokenizer)
     must be the one the run recorded (train/disk/inputs.py) unless ``accept_changed`` names ``model.student``."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
@@ -182,6 +186,8 @@ def _export(run_dir: Path, out: Path, checkpoint: str, accept: tuple) -> Path:
             model.generation_config.save_pretrained(tmp)
         if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
             raise CheckpointError(f"{tmp}: transformers wrote no safetensors weights")
+        (tmp / EXPORT_RECORD).write_text(json.dumps({"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
+                                                     "step": int(ckpt.name.split("_")[-1])}, indent=1) + "\n")
         follow_umask(tmp)  # safetensors writes 0600: a vLLM server running as another user could not read it
         if out.exists():
             out.rmdir()
