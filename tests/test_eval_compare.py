@@ -179,7 +179,7 @@ def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys, monkey
     assert main(["compare", str(runs[0]), "--out", str(tmp_path / "b.png"), "--metric", "eval/teacher_kl",
                  "--baseline", str(base)]) == 0
     text = capsys.readouterr().out
-    assert "Relative change from the baseline to the last evaluation" in text
+    assert "Change from the baseline to the last evaluation" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("| base | 1 |"))
     assert line == own.replace("(step 0->2)", "(baseline->2)")
     # a run that skips the step-0 evaluation keeps only its later values; --baseline pairs them with the start
@@ -208,8 +208,9 @@ def test_compare_baseline_and_eval_at_start_false(runs, tmp_path, capsys, monkey
 
 def test_change_table_cells_from_hand_written_values(tmp_path):
     """Hand-written per-problem values: a metric 30% lower on every problem reads -0.300 with a zero-width interval;
-    a metric that is 0 before (no relative change) and a run with one evaluation read n/a."""
+    an accuracy changes in points, and a run with one evaluation reads n/a."""
     from opdistill.runs.compare import Group, change_table, load_runs
+    from opdistill.runs.stats import paired_difference
 
     def run(name, evals):
         d = tmp_path / name
@@ -226,7 +227,9 @@ def test_change_table_cells_from_hand_written_values(tmp_path):
     a, b = load_runs([run("a", {0: start, 40: end}), run("b", {40: end})])
     table = change_table([Group("a", [a]), Group("b", [b])], ["eval/teacher_kl", "eval/greedy_acc"])
     lines = table.splitlines()
-    assert lines[2] == "| a | 1 | -0.300 [-0.300, -0.300] (step 0->40) | n/a |"
+    # an accuracy changes in points: 0 -> 2/3 is +0.667 (relative to 0 it was undefined, and the cell read n/a)
+    iv = paired_difference([(np.array(end["greedy_correct"]), np.ones(3))], [(np.zeros(3), np.ones(3))])
+    assert lines[2] == f"| a | 1 | -0.300 [-0.300, -0.300] (step 0->40) | +0.667 [{iv.lo:+.3f}, {iv.hi:+.3f}] (step 0->40) |"
     assert lines[3] == "| b | 1 | n/a | n/a |"
 
 
@@ -390,3 +393,28 @@ def test_demo_method_differences_from_kept_values(tmp_path):
         iv = paired_difference(a, b)
         assert diffs["off_policy"][key] == pytest.approx([point, iv.lo, iv.hi], abs=1e-12)
     assert diffs["off_policy"]["acc"][0] < -0.1  # written with 0.4 vs 0.7 accuracy: off-policy clearly behind
+
+
+def test_compare_shows_an_accuracy_change_in_points_and_titles_its_figure(runs, tmp_path, capsys, monkeypatch):
+    # issue 35 item 7: 0.14 -> 0.48 was shown as +2.429 (relative), and the figure had no title
+    import shutil
+
+    run = tmp_path / "acc-seed0"
+    shutil.copytree(runs[0], run, ignore=shutil.ignore_patterns(".lock"))
+    steps = sorted(int(p.stem.split("_")[1]) for p in (run / "eval").glob("step_*.json"))
+    for step, correct in ((steps[0], [0.0, 1.0, 0.0, 0.0]), (steps[-1], [1.0, 1.0, 1.0, 0.0])):
+        path = run / "eval" / f"step_{step:06d}.json"
+        values = json.loads(path.read_text())
+        values["greedy_correct"] = correct
+        path.write_text(json.dumps(values))
+    from opdistill.runs.stats import paired_difference
+
+    figures = _capture_figures(monkeypatch)
+    assert main(["compare", str(run), "--out", str(tmp_path / "acc.png"), "--metric", "eval/greedy_acc",
+                 "--metric", "eval/teacher_kl"]) == 0
+    text = capsys.readouterr().out
+    assert "| run | seeds | eval/greedy_acc change (absolute) | eval/teacher_kl change (relative) |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| acc | 1 |"))
+    iv = paired_difference([(np.array([1.0, 1, 1, 0]), np.ones(4))], [(np.array([0.0, 1, 0, 0]), np.ones(4))])
+    assert row.split("|")[3].strip() == f"+0.500 [{iv.lo:+.3f}, {iv.hi:+.3f}] (step {steps[0]}->{steps[-1]})"
+    assert figures[0]._suptitle.get_text() == "opdistill compare: acc (1 seed)"

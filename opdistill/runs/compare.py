@@ -222,6 +222,12 @@ def metric_sums(values: list, metric: str) -> list[tuple] | None:
     return [(getattr(v, num).numpy(), getattr(v, den).numpy()) for v in values]
 
 
+def absolute_change(metric: str) -> bool:
+    """Whether ``metric``'s change is shown as a difference (accuracies, a share of problems or samples) rather than
+    relative to its start (divergences, masses)."""
+    return metric.endswith("_acc")
+
+
 def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> str:
     before, after, spans = [], [], set()
     for r in group.runs:
@@ -236,7 +242,10 @@ def _change_cell(group: Group, metric: str, resamples: int, baseline=None) -> st
         before.append(sums[0])
         after.append(sums[1])
         spans.add(("baseline" if baseline is not None else f"step {steps[0]}", steps[-1]))
-    iv = paired_change(before, after, resamples=resamples)
+    if absolute_change(metric):  # an accuracy: the change in points (0.14 -> 0.48 is +0.34, not +2.43)
+        iv = paired_difference(after, before, resamples=resamples)
+    else:
+        iv = paired_change(before, after, resamples=resamples)
     if not math.isfinite(iv.value):
         return "n/a"  # a ratio that is 0 (or undefined) before: no relative change
     span = ""
@@ -254,7 +263,8 @@ def change_table(groups: list[Group], metrics: list[str], *, baseline=None, resa
     need = 1 if baseline is not None else 2
     if not metrics or not any(len(r.value_steps()) >= need for g in groups for r in g.runs):
         return None
-    lines = ["| run | seeds | " + " | ".join(f"{m} change" for m in metrics) + " |", "|" + "---|" * (2 + len(metrics))]
+    lines = ["| run | seeds | " + " | ".join(f"{m} change ({'absolute' if absolute_change(m) else 'relative'})"
+                                             for m in metrics) + " |", "|" + "---|" * (2 + len(metrics))]
     for g in groups:
         cells = [_change_cell(g, m, resamples, baseline) for m in metrics]
         lines.append(f"| {g.label} | {len(g.runs)} | " + " | ".join(cells) + " |")
@@ -360,6 +370,12 @@ def plot_groups(groups: list[Group], metrics: list[str], out: str | Path, *, tit
     return out
 
 
+def _default_title(groups: list[Group]) -> str:
+    """The figure's title when none is given: the groups compared, and their seeds."""
+    names = ", ".join(f"{g.label} ({len(g.runs)} seed{'s' if len(g.runs) != 1 else ''})" for g in groups)
+    return f"opdistill compare: {names if len(names) <= 150 else names[:147] + '...'}"
+
+
 def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str | None = None,
             baseline: str | Path | None = None) -> dict:
     """Table (markdown) and PNG of the runs; returns {"table", "png", "groups": {label: [run dirs]}}."""
@@ -381,12 +397,12 @@ def compare(run_dirs, *, out: str | Path | None = None, metrics=None, title: str
     change = change_table(groups, metrics, baseline=base)
     if change is not None:
         start = "the baseline" if baseline is not None else "the first evaluation"
-        table += (f"\n\nRelative change from {start} to the last evaluation (paired over problems, mean over seeds, "
-                  "95% interval):\n\n" + change)
+        table += (f"\n\nChange from {start} to the last evaluation (accuracies: after - before; other metrics: "
+                  "relative, after / before - 1; paired over problems, mean over seeds, 95% interval):\n\n" + change)
     difference = difference_table(groups, metrics)
     if difference is not None:
         table += ("\n\nDifference from the first group at each step their runs evaluated (paired over problems, mean "
                   "over each group's seeds, 95% interval):\n\n" + difference)
     with output_lock(out, "--out"):
-        png = plot_groups(groups, metrics, out, title=title)
+        png = plot_groups(groups, metrics, out, title=title if title is not None else _default_title(groups))
     return {"table": table, "png": png, "groups": {g.label: [str(r.path) for r in g.runs] for g in groups}}
