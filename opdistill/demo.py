@@ -103,7 +103,10 @@ def format_table(results: dict) -> str:
         f"sampled acc {results['teacher']['eval/sampled_acc']:.3f} (held-out, {results['eval_prompts']} problems; "
         f"[95% interval], bootstrap over problems)",
         f"budget: {results['budget_s']:.0f} s of training per run (eval excluded), seeds {results['seeds']}, "
-        f"equal-steps column at step {s_eq}" + _load_note(results),
+        f"equal-steps column at step {s_eq}" + _load_note(results)
+        + (" (the start: a run made fewer steps than the evaluation interval in its budget, so no later step was "
+           "evaluated by every run; a quieter machine, a larger --budget-s or a smaller --eval-every gives one)"
+           if s_eq == 0 else ""),
         "",
         "| method | seed | steps | greedy acc: start -> equal time | sampled acc | teacher-KL: start -> equal time "
         f"| greedy acc @ step {s_eq} | teacher-KL @ step {s_eq} |",

@@ -63,3 +63,10 @@ def test_demo_runs_and_writes_the_table(tmp_path, capfd):
             iv = paired_difference([a], [b])
             assert d[key] == pytest.approx([point, iv.lo, iv.hi], abs=1e-12)
     assert "| off_policy - on_policy |" in table and "| rl - on_policy |" in table
+    # equal steps at the start (a run made fewer steps than the interval): the table says why (issue 35 item 3)
+    from opdistill.demo import format_table
+
+    for s_eq, said in ((0, True), (2, False)):
+        rows = {m: [{**r, "acc_eq": r["acc"], "kl_eq": r["kl"]} for r in rs] for m, rs in saved["runs"].items()}
+        text = format_table({**saved, "equal_steps": s_eq, "runs": rows})
+        assert ("(the start: a run made fewer steps than the evaluation interval in its budget" in text) == said
