@@ -255,6 +255,12 @@ def test_values_json_round_trip_and_refusals():
         values_from_json({"problems": [1.0], "tokens": [float("nan")]}, "f.json")
     with pytest.raises(ValueError, match=r"^f.json: every field needs one value per problem, got lengths \[1, 2\]$"):
         values_from_json({"problems": [1.0], "tokens": [1.0, 2.0]}, "f.json")
+    # a divergence sum may be +inf (a teacher that gave a written token probability 0); never -inf, NaN, or elsewhere
+    assert values_from_json({"problems": [1.0, 1.0], "k1_sum": [float("inf"), 0.5]}).k1_sum[0] == float("inf")
+    for field, bad in (("k1_sum", float("-inf")), ("k3_sum", float("nan")), ("tokens", float("inf"))):
+        kind = "finite numbers or \\+inf" if field.endswith("_sum") else "finite numbers"
+        with pytest.raises(ValueError, match=rf"^f.json: field '{field}' must be a list of {kind}$"):
+            values_from_json({"problems": [1.0], field: [bad]}, "f.json")
 
 
 def test_paired_lift_ratio_matches_an_independent_reference_and_exact_cases():

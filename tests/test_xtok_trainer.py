@@ -2,6 +2,7 @@
 same-tokenizer run's; routed teachers of two tokenizers in one run; the evaluation; masked positions leave the step
 and are counted."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,45 @@ def test_pipelined_step_with_a_cross_tokenizer_teacher(tmp):
     for s in steps:
         assert 0 < s["xtok/masked_frac"] < 1 and s["xtok/masked_frac"] == pytest.approx(1 - s["xtok/exact_frac"])
         assert s["train/response_tokens"] < s["train/generated_tokens"]
+
+
+
+def test_the_evaluation_leaves_out_tokens_the_mapped_teacher_gives_no_probability(tmp):
+    """A cross-tokenizer teacher's mapped probability of the student's sampled token can be 0 (its top-K_T writes
+    the prefix, none of it the token's bytes: Gemma-3-270M's top-64 teaching SmolLM2 in issue 33, on 83 of 150
+    problems). The evaluation's teacher-KL leaves those tokens out, as the sampled-token training signal does (SPEC
+    6.6): it was +inf, logged as null, and the per-problem file could not be read back by compare. Expected: the
+    evaluation of the same scores with those positions masked by the teacher."""
+    import dataclasses
+
+    from opdistill.data import PromptSource
+    from opdistill.runs.values import values_from_json, values_to_json
+    from opdistill.teachers import LocalTeacher
+    from opdistill.train.loop import build_task, load_models
+    from opdistill.train.steps.evaluate import evaluate_values
+
+    cfg = load_config(base=tiny_config_dict(tmp))
+    tok, student, teacher = load_models(cfg)
+    task = build_task(cfg)
+    problems = PromptSource(task, 0, 0).held_out(3)
+
+    class Unmapped(LocalTeacher):  # every third scored position: probability 0, or no signal at all
+        def __init__(self, model, zero_as_mask):
+            super().__init__(model)
+            self.zero_as_mask = zero_as_mask
+
+        def score(self, rows, request):
+            out = super().score(rows, request)
+            zero = torch.zeros_like(out.sampled_logprobs, dtype=torch.bool)
+            zero.view(-1)[::3] = True
+            if self.zero_as_mask:
+                return dataclasses.replace(out, mask=~zero)
+            return dataclasses.replace(out, mask=torch.ones_like(zero),
+                                       sampled_logprobs=out.sampled_logprobs.masked_fill(zero, float("-inf")))
+
+    kw = dict(max_new_tokens=12, topk=4, batch_size=2, seed=5, num_samples=2)
+    got = evaluate_values(student, tok, task, problems, teacher=Unmapped(teacher, False), **kw)
+    want = evaluate_values(student, tok, task, problems, teacher=Unmapped(teacher, True), **kw)
+    assert values_to_json(got) == values_to_json(want)
+    assert all(math.isfinite(x) for x in values_to_json(got)["k1_sum"])
+    values_from_json(values_to_json(got))  # compare reads it back

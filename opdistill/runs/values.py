@@ -41,6 +41,11 @@ METRICS = {
 }
 
 
+# sums of a divergence, which may be +inf: a teacher that gives a token the student wrote probability 0 (the files of
+# cross-tokenizer evaluations before such tokens were left out hold it); every other field is finite
+DIVERGENCE_SUMS = ("k1_sum", "k3_sum", "tail_kl_sum")
+
+
 @dataclass
 class EvalValues:
     """Per-problem sums (float64 tensors of shape [P]); a field is None when it was not measured (no greedy pass,
@@ -82,7 +87,8 @@ def values_to_json(values: EvalValues) -> dict[str, list[float]]:
 
 def values_from_json(data, source: str = "values") -> EvalValues:
     """The inverse of :func:`values_to_json`, checked: known fields only, ``problems`` present, one finite number per
-    problem in every field (ValueError naming ``source`` and the field otherwise)."""
+    problem in every field, +inf allowed in :data:`DIVERGENCE_SUMS` (ValueError naming ``source`` and the field
+    otherwise)."""
     known = {f.name for f in fields(EvalValues)}
     if not isinstance(data, dict) or "problems" not in data:
         raise ValueError(f"{source}: expected an object of per-problem lists with a 'problems' list")
@@ -90,9 +96,11 @@ def values_from_json(data, source: str = "values") -> EvalValues:
     for name, vals in data.items():
         if name not in known:
             raise ValueError(f"{source}: unknown field {name!r} (expected some of {sorted(known)})")
-        if not isinstance(vals, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                 and math.isfinite(v) for v in vals):
-            raise ValueError(f"{source}: field {name!r} must be a list of finite numbers")
+        ok = (lambda v: math.isfinite(v) or v == math.inf) if name in DIVERGENCE_SUMS else math.isfinite
+        if not isinstance(vals, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v)
+                                                 for v in vals):
+            kind = "finite numbers or +inf" if name in DIVERGENCE_SUMS else "finite numbers"
+            raise ValueError(f"{source}: field {name!r} must be a list of {kind}")
         out[name] = torch.tensor(vals, dtype=torch.float64)
     lengths = {len(v) for v in out.values()}
     if len(lengths) != 1:

@@ -95,8 +95,10 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
                                 prompts=tuple(problems[i].prompt for i in idx),
                                 teacher_prompts=None if x_t is None else tuple(x_t[i] for i in idx)),
                            ScoreRequest(k=topk, sampled=True, what="evaluation"))  # any Teacher (opdistill.teachers)
-    if scores.mask is not None:  # a cross-tokenizer teacher: positions without a signal (SPEC 6.6) are not measured
-        m = m & scores.mask
+    if scores.mask is not None:  # a cross-tokenizer teacher: positions without a signal (SPEC 6.6) are not measured,
+        # nor the student's tokens its mapped top-K_T gives probability 0 (no sampled-token signal there: the
+        # training signal masks them too; kept, the teacher-KL would be +inf)
+        m = m & scores.mask & torch.isfinite(scores.sampled_logprobs)
         vals.tokens = _per_problem(m.sum(-1), idx, P)
     # log r = log nu - log pi at the sampled token (sampler log-probs are the student's at the eval temperature)
     log_r = (scores.sampled_logprobs.double() - s.sampler_logprobs.double())
