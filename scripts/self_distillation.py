@@ -46,10 +46,11 @@ TASKS = {
     "calendar": "{name: calendar_arithmetic, size: 1000, seed: 0, eval_size: 400}",
     "addition": "{name: basic_arithmetic, size: 2000, seed: 0, eval_size: 400, min_terms: 2, max_terms: 2, "
                 "min_digits: 1, max_digits: 2, operators: ['+'], allow_parentheses: false, allow_negation: false}",
+    "spell": "{name: spell_backward, size: 2000, seed: 0, eval_size: 400}",
 }
 PROBLEMS = 150
-EVERY = {"calendar": 8, "addition": 8}  # steps between evaluations (each ~3-5 CPU minutes at one thread)
-STEPS = {"calendar": 24, "addition": 16}  # setup a's steps per task (b and c: 16)
+EVERY = {"calendar": 8, "addition": 8, "spell": 8}  # steps between evaluations (each ~3-5 CPU minutes at one thread)
+STEPS = {"calendar": 24, "addition": 16, "spell": 16}  # setup a's steps per task (b and c: 16)
 METHODS = {
     "opd": [],
     "offpolicy": ["train.method=off_policy"],
@@ -95,7 +96,7 @@ def _task(task: str) -> list[str]:
     return [f"data.task_args={TASKS[task]}"]
 
 
-def run_all(setup: str, task: str, out: Path, lanes: int) -> None:
+def run_all(setup: str, task: str, out: Path, lanes: int, only: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     opd = [sys.executable, "-m", "opdistill"]
     su = SETUPS[setup]
@@ -105,11 +106,16 @@ def run_all(setup: str, task: str, out: Path, lanes: int) -> None:
     jobs = [(f"{m}-seed{s}", opd + ["train", "--config", CONFIG, *_task(task), *_common(setup, task),
                                     f"run_dir={out / f'{m}-seed{s}'}", f"train.seed={s}", *METHODS[m]])
             for s in SEEDS for m in su["methods"]]
-    print(f"{setup} {task}: 2 evaluations and {len(jobs)} runs of {_steps(setup, task)} steps in {lanes} lanes -> {out}",
+    jobs = [(n, cmd) for n, cmd in zip(("base", "teacher"), evals)] + jobs
+    if only:
+        unknown = sorted(set(only) - {n for n, _ in jobs})
+        if unknown:
+            raise SystemExit(f"--only: no job named {', '.join(unknown)} (jobs: {', '.join(n for n, _ in jobs)})")
+        jobs = [(n, cmd) for n, cmd in jobs if n in only]
+    print(f"{setup} {task}: {', '.join(n for n, _ in jobs)} ({_steps(setup, task)} steps) in {lanes} lanes -> {out}",
           flush=True)
     with ThreadPoolExecutor(max_workers=lanes) as pool:
-        list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"),
-                      [(n, cmd) for n, cmd in zip(("base", "teacher"), evals)] + jobs))
+        list(pool.map(lambda job: _run(job[1], out / f"{job[0]}.log"), jobs))
 
 
 def step_times(setup: str, task: str, out: Path, repeats: int = 3) -> dict:
@@ -149,21 +155,60 @@ def report(setup: str, task: str, out: Path) -> None:
     times = json.loads((out / "step_times.json").read_text())["median_s"] if (out / "step_times.json").exists() \
         else {}
     print(f"### {task}: held-out greedy accuracy ({len(base[0])} problems; sampled in parentheses)\n")
-    print(f"untrained student {acc(base):.3f} ({acc(base, True):.3f}); the same under the context (the "
-          f"context-teacher) {acc(teacher):.3f} ({acc(teacher, True):.3f})\n")
+    def exact(v):  # the share of problems the verifier scores 1 (calendar_arithmetic gives partial credit)
+        return sum(x >= 1 for x in v[0]) / len(v[0])
+
+    print(f"untrained student {acc(base):.3f} ({acc(base, True):.3f}), exact {exact(base):.3f}; the teacher under "
+          f"the context {acc(teacher):.3f} ({acc(teacher, True):.3f}), exact {exact(teacher):.3f}\n")
     print("| method | step | seed 0 | seed 1 | mean | change from the untrained student [95%] | share of the "
-          "teacher's lead closed [95%] | CPU s / step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "teacher's lead closed [95%] | exact (mean) | CPU s / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in SETUPS[setup]["methods"]:
         for step in range(EVERY[task], _steps(setup, task) + 1, EVERY[task]):
-            runs = [_values(out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json") for s in SEEDS]
+            # a seed that was not run (or not this far) is a dash, and the intervals pair the seeds that were
+            files = [out / f"{m}-seed{s}" / "eval" / f"step_{step:06d}.json" for s in SEEDS]
+            runs = [_values(f) for f in files if f.exists()]
+            if not runs:
+                continue
             accs = [acc(v) for v in runs]
+            cells = " | ".join(f"{acc(_values(f)):.3f}" if f.exists() else "—" for f in files)
             diff = paired_difference([r[:2] for r in runs], [base[:2]])
             share = paired_lift_ratio(base[:2], [r[:2] for r in runs], [teacher[:2]])
             t = f"{times[m]:.1f}" if m in times else ""
-            print(f"| {m} | {step} | {accs[0]:.3f} | {accs[1]:.3f} | {sum(accs) / len(accs):.3f} | "
+            print(f"| {m} | {step} | {cells} | {sum(accs) / len(accs):.3f} | "
                   f"{diff.value:+.3f} [{diff.lo:+.3f}, {diff.hi:+.3f}] | {share.value:.2f} [{share.lo:.2f}, "
-                  f"{share.hi:.2f}] | {t} |")
+                  f"{share.hi:.2f}] | {sum(map(exact, runs)) / len(runs):.3f} | {t} |")
+
+
+def constant_baseline(task: str, out: Path) -> None:
+    """The held-out score of the best constant answer (one answer, the same for every problem, in the verifier's
+    format: the answer among the problems' own answers that scores most) and, paired over problems, how far each
+    evaluation in ``out`` is above it. A task where it comes close to the teacher is one the teacher does not know
+    better than a guess in the right format."""
+    import numpy as np
+
+    from opdistill.data import PromptSource
+    from opdistill.runs.stats import paired_difference
+    from opdistill.train import load_config
+    from opdistill.train.assemble import build_task
+
+    cfg = load_config(CONFIG, _task(task))
+    task_ = build_task(cfg)
+    held = PromptSource(task_, cfg.train.seed, cfg.data.eval_seed).held_out(PROBLEMS)
+
+    def scores(answer):
+        return np.array([task_.score(p, f"<answer>{answer}</answer>") for p in held], dtype=float)
+
+    best = max(sorted({p.answer for p in held}), key=lambda a: scores(a).sum())
+    const, ones = scores(best), np.ones(len(held))
+    print(f"\nthe best constant answer, {best!r} for every problem: {const.mean():.3f} (exact {np.mean(const >= 1):.3f}); "
+          f"each greedy evaluation minus it, paired over problems [95%]:\n")
+    files = [out / "base.values.json", out / "teacher.values.json", *sorted(out.glob("*-seed*/eval/step_*.json"))]
+    for f in files:
+        if f.exists():
+            g = np.array(json.loads(f.read_text())["greedy_correct"])
+            iv = paired_difference([(g, ones)], [(const, ones)])
+            print(f"- {f.relative_to(out)}: {g.mean():.3f}, {iv.value:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
 
 
 def diagnose(setup: str, task: str, out: Path) -> dict:
@@ -183,7 +228,7 @@ def diagnose(setup: str, task: str, out: Path) -> dict:
     from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint
     from opdistill.train.loop import load_models
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one lane: the runs may be using the other core
     su = SETUPS[setup]
     cfg = load_config(CONFIG, _task(task) + [f"eval.num_prompts={PROBLEMS}", *su["args"]])
     tok, student, _ = load_models(cfg.model_copy(update={"model": cfg.model.model_copy(update={"teacher": None})}))
@@ -224,6 +269,7 @@ def main():
                     "baselines; b: Gemma-3-270M teaching SmolLM2 across tokenizers; c: SmolLM2 teaching Gemma")
     ap.add_argument("--out", required=True)
     ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--only", nargs="+", metavar="JOB", help="run only these jobs (base, teacher, opd-seed0, ...)")
     ap.add_argument("--report", action="store_true", help="only print the table from existing runs")
     ap.add_argument("--step-times", action="store_true", help="only measure each method's seconds per step")
     ap.add_argument("--diagnose", action="store_true", help="only read what the students learned off their answers")
@@ -236,8 +282,9 @@ def main():
         print(step_times(args.setup, args.task, out))
         return
     if not args.report:
-        run_all(args.setup, args.task, out, args.lanes)
+        run_all(args.setup, args.task, out, args.lanes, args.only)
     report(args.setup, args.task, out)
+    constant_baseline(args.task, out)
 
 
 if __name__ == "__main__":
