@@ -91,7 +91,7 @@ def resume_advice(args, run_dir, checkpoint: str | None) -> str:
     import warnings as _warnings
     from pathlib import Path
 
-    from opdistill.train.disk.checkpoint import latest_checkpoint
+    from opdistill.train.disk.checkpoint import checkpoint_step, latest_checkpoint
 
     if checkpoint is None:
         try:
@@ -102,7 +102,7 @@ def resume_advice(args, run_dir, checkpoint: str | None) -> str:
             found = None
         checkpoint = None if found is None else str(found)
     if checkpoint is not None:
-        step = int(Path(checkpoint).name.split("_")[-1])
+        step = checkpoint_step(checkpoint)
         return f"checkpoint of step {step}: {checkpoint}; resume with: {_command(args, '--resume')}"
     if (Path(run_dir) / "config.yaml").exists():
         return f"no checkpoint was written; start again with: {_command(args, '--overwrite')}"

@@ -67,12 +67,13 @@ def match_answer(reference: str, completion: str, mode: str = "math") -> float:
         return float(reference.strip() in completion)
     if mode != "math":
         raise ValueError(f"data.answer_match: expected one of {list(ANSWER_MATCH)}, got {mode!r}")
-    if _norm(completion) == _norm(reference):
+    written = _norm(completion)
+    if written == _norm(reference):
         return 1.0  # the answer written as the reference writes it (a bare word, a phrase with a number in it)
     gold = extract_answer(reference) if ("####" in reference or "\\boxed{" in reference) else reference.strip()
     if gold is None:
         return 0.0
-    if _norm(completion) == _norm(gold):
+    if written == _norm(gold):
         return 1.0
     pred = extract_answer(completion)
     if pred is None:  # no marker and no number: the completion's last line is its answer

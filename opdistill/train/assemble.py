@@ -38,7 +38,8 @@ from opdistill.models import (check_compatible, empty_model, load_model, load_sh
                               resolve_model_path, truncate_layers)
 from opdistill.teachers import TeacherCacheError, TeacherContext, Teachers, build_teacher, load_cache
 from opdistill.teachers.cache import check_provenance
-from opdistill.train.disk.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint, set_aside_newer
+from opdistill.train.disk.checkpoint import (checkpoint_step, load_checkpoint, resume_checkpoint, save_checkpoint,
+                                            set_aside_newer)
 from opdistill.train.steps.collect import Collector
 from opdistill.train.run.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.run.distributed import DistContext, wrap_student
@@ -302,7 +303,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple =
         if not resume:
             return _Opened(rd, None, local, {})
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
-        step = int(ckpt.name.split("_")[1])
+        step = checkpoint_step(ckpt)
         changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
                                          config_to_dict(cfg), step=step)
         log.info("resuming %s from step %d (%s)", rd.path, step, ckpt)
@@ -315,7 +316,7 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple =
                           f"step on differs from the original run's", RunWarning, stacklevel=3)
         accepted = check_inputs(rd.path, local, accept, what="--resume")  # a folder or file changed under the run
         set_aside_newer(rd.path, ckpt)
-        set_aside_evaluations(rd.path, int(ckpt.name.split("_")[1]))  # as metrics.jsonl is trimmed to the checkpoint
+        set_aside_evaluations(rd.path, step)  # as metrics.jsonl is trimmed to the checkpoint
         return _Opened(rd, ckpt, local, accepted)
     except BaseException:
         rd.close()

@@ -29,7 +29,7 @@ from opdistill.runs.outputs import check_output_path, output_lock
 from opdistill.runs.values import nest_intervals
 from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
 from opdistill.train.assemble import build_context, build_task, load_models
-from opdistill.train.disk.checkpoint import load_weights, resume_checkpoint, verify_checkpoint
+from opdistill.train.disk.checkpoint import checkpoint_step, load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.disk.inputs import check_inputs, local_inputs, remote_inputs
 from opdistill.train.disk.preflight import ModelInfo, check_against_models, check_context, check_model_folders
 from opdistill.train.disk.rundir import CheckpointError, follow_umask
@@ -187,7 +187,7 @@ def _export(run_dir: Path, out: Path, checkpoint: str, accept: tuple) -> Path:
         if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
             raise CheckpointError(f"{tmp}: transformers wrote no safetensors weights")
         (tmp / EXPORT_RECORD).write_text(json.dumps({"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
-                                                     "step": int(ckpt.name.split("_")[-1])}, indent=1) + "\n")
+                                                     "step": checkpoint_step(ckpt)}, indent=1) + "\n")
         follow_umask(tmp)  # safetensors writes 0600: a vLLM server running as another user could not read it
         if out.exists():
             out.rmdir()

@@ -203,6 +203,11 @@ def verify_checkpoint(path: str | Path, *, only: tuple[str, ...] | None = None) 
 
 # ---- the checkpoints folder -----------------------------------------------------------------------------------------
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint folder holds, from its name (``step_00000040`` -> 40)."""
+    return int(Path(path).name.split("_")[-1])
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """The ``step_NNNNNNNN`` folders of ``RUN_DIR/checkpoints``, oldest first. Temporary folders of killed saves and
     set-aside corrupt ones are skipped silently, anything else with a :class:`RunWarning`; a symlink is refused."""
