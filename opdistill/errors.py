@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RunError", "RunWarning",
-           "quote"]
+__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RewardError", "RunError",
+           "RunWarning", "quote"]
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 2, 4, 6, 6, 6
@@ -54,6 +54,13 @@ class IncompatibleModelsError(UserError, ValueError):
     """Student and teacher cannot be distilled token by token (vocabulary, special tokens or chat template differ)."""
 
     kind = "model error"
+
+
+class RewardError(UserError, ValueError):
+    """A reward function (``reward.functions``, opdistill/data/rewards.py) raised or returned something other than
+    one finite number per completion; the message names the function, the step and the row."""
+
+    kind = "reward error"
 
 
 class RunError(UserError):

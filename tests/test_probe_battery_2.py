@@ -892,25 +892,31 @@ def test_probe_2_a_teacher_folder_or_data_file_changed_under_a_run_is_refused(da
     data.write_text(text.replace("10+0=", "19+9="))  # rewritten in place: same size, other prompts
     resume = ["train", "--config", str(cfg), "--resume", "train.steps=2"]
     assert main(resume) == 2
+    from opdistill.train.assemble import build_task
+    from opdistill.train.disk.inputs import object_inputs
+
+    problems = (json.loads((run / "inputs.json").read_text())["inputs"]["data.task"]["problems_sha256"][:12],
+                object_inputs(task=build_task(load_config(cfg)))["data.task"]["problems_sha256"][:12])
     diff = (f"teacher.weights_sha256 {before[0]!r} -> {_weights_sha(teacher)!r}, data.path.sha256 {before[1]!r} -> "
             f"{_file_sha(data)!r}")
+    task_diff = f"data.task.problems_sha256 {problems[0]!r} -> {problems[1]!r}"  # the rows' problems differ too
     assert _err(capsys)[-1] == (f"opdistill train: run error: --resume: what run {run} reads has changed since it was "
-                                f"recorded: {diff}; give the run the inputs it started with, or name the changes to "
-                                f"accept them: --accept-changed teacher,data.path")
+                                f"recorded: {diff}, {task_diff}; give the run the inputs it started with, or name the "
+                                f"changes to accept them: --accept-changed teacher,data.path,data.task")
     assert (run / "metrics.jsonl").read_text() == metrics  # refused before anything was written
     assert main(["eval", str(run)]) == 2  # eval reads the same teacher and data
     assert _err(capsys)[-1].startswith(f"opdistill eval: run error: eval: what run {run} reads has changed since it "
                                        f"was recorded: {diff}; ")
-    assert main(resume + ["--accept-changed", "teacher"]) == 2  # both must be named
-    assert _err(capsys)[-1].endswith("--accept-changed data.path")
+    assert main(resume + ["--accept-changed", "teacher"]) == 2  # all must be named
+    assert _err(capsys)[-1].endswith("--accept-changed data.path,data.task")
     record = json.loads((run / "inputs.json").read_text())["inputs"]
-    assert set(record) == {"model.student", "teacher", "data.path"}
+    assert set(record) == {"model.student", "teacher", "data.path", "data.task"}
     assert record["data.path"] == {"kind": "file", "source": str(data), "method": "sha256", "size": before[2],
                                    "sha256": __import__("hashlib").sha256(text.encode()).hexdigest()}
-    assert main(resume + ["--accept-changed", "teacher,data.path"]) == 0  # named: accepted and recorded
+    assert main(resume + ["--accept-changed", "teacher,data.path,data.task"]) == 0  # named: accepted and recorded
     rows = [json.loads(r) for r in (run / "config_history.jsonl").read_text().splitlines()]
     inputs = [r["inputs"] for r in rows if "inputs" in r]
-    assert len(inputs) == 1 and sorted(inputs[0]) == ["data.path", "teacher"]
+    assert len(inputs) == 1 and sorted(inputs[0]) == ["data.path", "data.task", "teacher"]
     assert inputs[0]["teacher"]["from"]["weights_sha256"][:12] == before[0]
     assert main(resume[:-1] + ["train.steps=3"]) == 0  # the next resume compares with the accepted inputs
     assert main(["eval", str(run), "eval.num_prompts=2"]) == 0
@@ -920,7 +926,7 @@ def test_probe_2_accept_changed_names_inputs_and_needs_resume(data_run, capsys):
     run, cfg, _, _ = data_run
     assert main(["train", "--config", str(cfg), "--resume", "--accept-changed", "teachr"]) == 2
     assert _err(capsys)[-1] == (f"opdistill train: run error: --accept-changed: 'teachr' is not an input of run {run} "
-                                f"(its inputs: data.path, model.student, teacher)")
+                                f"(its inputs: data.path, data.task, model.student, teacher)")
     assert main(["train", "--config", str(cfg), "--overwrite", "--accept-changed", "teacher"]) == 2
     assert _err(capsys)[-1] == ("opdistill train: config error: --accept-changed: only with --resume (a fresh run "
                                 "records what it reads; a resumed one compares it)")

@@ -16,6 +16,7 @@ answer (what the verifier checks) and the turns before it the prompt, as TRL's c
 from __future__ import annotations
 
 import collections
+import collections.abc
 import csv
 import dataclasses
 import hashlib
@@ -29,7 +30,7 @@ from opdistill.data.answers import match_answer
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
 
-__all__ = ["PromptSource", "DatasetTask", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
+__all__ = ["PromptSource", "DatasetTask", "InMemoryRows", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
            "warn_unknown_chars"]
 
 
@@ -101,10 +102,31 @@ def _load_hub(path: str, split: str, subset: str | None, key: str) -> list[tuple
     return [(f"{path}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(ds)]
 
 
-def _read_rows(path: str, *, split: str = "train", subset: str | None = None,
+class InMemoryRows:
+    """Rows a Python caller hands in (:meth:`DatasetTask.from_rows`): any sequence of mappings (a list of dicts, a
+    ``datasets.Dataset``); ``name`` stands for the file in messages (``rows[3]: ...``)."""
+
+    def __init__(self, rows, name: str = "rows"):
+        self.rows, self.name = rows, name
+
+    def __str__(self) -> str:
+        return self.name
+
+    def pairs(self) -> list[tuple[str, dict]]:
+        out = []
+        for i, r in enumerate(self.rows):
+            if not isinstance(r, collections.abc.Mapping):
+                raise DataError(f"{self.name}[{i}]: expected a mapping with the prompt field, got {type(r).__name__}")
+            out.append((f"{self.name}[{i}]", dict(r)))
+        return out
+
+
+def _read_rows(path, *, split: str = "train", subset: str | None = None,
                key: str = "data.path") -> list[tuple[str, dict]]:
     """(where, row) pairs of a local jsonl/json/csv/parquet file, a local dataset folder or a hub dataset (its
-    ``split``); ``where`` is 'FILE:LINE'."""
+    ``split``), or of :class:`InMemoryRows`; ``where`` is 'FILE:LINE'."""
+    if isinstance(path, InMemoryRows):
+        return path.pairs()
     ext = path.rsplit(".", 1)[-1].lower()
     if os.path.isdir(path) or ext not in ("jsonl", "json", "csv", "parquet"):
         return _load_hub(path, split, subset, key)
@@ -269,10 +291,19 @@ class DatasetTask(Task):
         self.has_answers = answer_field is not None or final_assistant == "answer"
         self.has_held_out = bool(self.eval_rows)
 
+    @classmethod
+    def from_rows(cls, rows, prompt_field: str = "prompt", answer_field: str | None = None, *, eval_rows=None,
+                  **kwargs) -> "DatasetTask":
+        """A dataset task of rows in memory (a list of dicts, a ``datasets.Dataset``; ``eval_rows``: held-out rows),
+        checked as a file's rows are, messages naming ``rows[i]`` / ``eval_rows[i]``: the Python API's own dataset
+        (``run_training(cfg, task=...)``). ``kwargs``: the other arguments of :class:`DatasetTask`."""
+        return cls(InMemoryRows(rows), prompt_field, answer_field,
+                   eval_path=None if eval_rows is None else InMemoryRows(eval_rows, "eval_rows"), **kwargs)
+
     def _load(self, path, prompt_field, answer_field, split, subset, key):
         pairs = _read_rows(path, split=split, subset=subset, key=key)
         if not pairs:
-            raise DataError(f"{path}: no rows (the file is empty)")
+            raise DataError(f"{path}: no rows" + (" (the file is empty)" if isinstance(path, str) else ""))
         columns = list(pairs[0][1])
         for field, fkey in ((prompt_field, "data.prompt_field"), (answer_field, "data.answer_field"),
                             (self.task_field, "routing.field"), (self.hint_field, "teacher.context.hint_field")):

@@ -51,12 +51,13 @@ def _stable_config(d):
     return d
 
 
-def teacher_fingerprint(model) -> dict:
+def teacher_fingerprint(model, state: dict | None = None) -> dict:
     """What identifies a teacher's scores: SHA-256 of its config (``config.to_dict()`` as canonical JSON, minus the
     load path, transformers version, dtype and private keys), SHA-256 over its ``state_dict`` tensors (name, dtype,
-    shape and bytes, in name order; one pass over the weights), its dtype and its output vocabulary width."""
+    shape and bytes, in name order; one pass over the weights; ``state``: these tensors instead), its dtype and its
+    output vocabulary width."""
     h = hashlib.sha256()
-    hash_tensors(h, sorted(model.state_dict().items()))
+    hash_tensors(h, sorted((model.state_dict() if state is None else state).items()))
     return {
         "teacher_config_sha256": hashlib.sha256(canonical_json(_stable_config(model.config.to_dict()))).hexdigest(),
         "teacher_weights_sha256": h.hexdigest(),

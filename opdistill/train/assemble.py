@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from opdistill import DistillationLoss, PolicyGradientLoss
-from opdistill.data import DatasetTask, PromptSource, Task, TeacherPrompt, make_task
+from opdistill.data import DatasetTask, PromptSource, Rewards, Task, TeacherPrompt, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
-from opdistill.errors import IncompatibleModelsError
+from opdistill.errors import ConfigError, IncompatibleModelsError
 from opdistill.fused import check_lm_head
 from opdistill.models import (check_compatible, empty_model, load_model, load_shards, load_tokenizer, model_config,
                               resolve_model_path, truncate_layers)
@@ -43,7 +43,7 @@ from opdistill.train.disk.checkpoint import (checkpoint_step, load_checkpoint, r
 from opdistill.train.steps.collect import Collector
 from opdistill.train.run.config import TrainerConfig, config_to_dict, load_config
 from opdistill.train.run.distributed import DistContext, wrap_student
-from opdistill.train.disk.inputs import check_inputs, local_inputs, record_inputs, remote_inputs
+from opdistill.train.disk.inputs import check_inputs, local_inputs, object_inputs, record_inputs, remote_inputs
 from opdistill.train.disk.logger import NullLogger, RunLogger
 from opdistill.train.run.lora import SELF, apply_lora, enable_gradient_checkpointing, self_teacher
 from opdistill.train.run.optim import build_optimizer
@@ -58,8 +58,8 @@ from opdistill.train.disk.wandb_log import open_wandb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Run", "RunState", "assemble", "check_run", "build_task", "build_context", "load_models", "lr_lambda",
-           "open_teacher_cache"]
+__all__ = ["Given", "Run", "RunState", "assemble", "check_run", "build_task", "build_context", "build_rewards",
+           "load_models", "lr_lambda", "open_teacher_cache"]
 
 
 def build_task(cfg: TrainerConfig) -> Task:
@@ -239,10 +239,12 @@ class RunState:
 
     @classmethod
     def from_saved(cls, saved: dict) -> "RunState":
-        step = saved["step"]
-        return cls(step=step, train_time=saved["train_time"], eval_history=saved.get("eval_history", []),
+        step, history = saved["step"], saved.get("eval_history", [])
+        # the step last evaluated: a run stopped after its last step (a callback) is evaluated when resumed
+        last_eval = history[-1].get("step", step) if history and isinstance(history[-1], dict) else step
+        return cls(step=step, train_time=saved["train_time"], eval_history=history,
                    nonfinite_steps=saved.get("nonfinite_steps", 0), nonfinite_in_row=saved.get("nonfinite_in_row", 0),
-                   last_eval=step, last_save=step, eval_pending=saved.get("eval_pending", False))
+                   last_eval=last_eval, last_save=step, eval_pending=saved.get("eval_pending", False))
 
     def to_saved(self) -> dict:
         return {"train_time": self.train_time, "eval_history": self.eval_history, "data_position": self.step,
@@ -282,6 +284,7 @@ class Run:
     config_dict: dict  # recorded in every checkpoint: a resume from another run's is refused
     pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/steps/pipeline.py)
     context: TeacherPrompt | None = None  # teacher.context: the teacher's own prompt per problem (SPEC 6.7)
+    callbacks: tuple = ()  # callback(step, metrics) -> True to stop: what a Python caller handed in
 
 
 @dataclass
@@ -294,12 +297,14 @@ class _Opened:
     accepted: dict  # their changes the user named (--accept-changed), to record
 
 
-def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple = ()) -> _Opened:
+def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple = (), objects: dict | None = None
+              ) -> _Opened:
     """Lock the run directory and apply its rules before any model loads: the checkpoint to resume, the config and
-    the inputs (their fingerprints against the run's record: train/disk/inputs.py)."""
+    the inputs (their fingerprints against the run's record: train/disk/inputs.py; ``objects``: those of what a
+    Python caller handed in)."""
     rd = open_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
     try:
-        local = local_inputs(cfg)
+        local = local_inputs(cfg, given=objects)
         if not resume:
             return _Opened(rd, None, local, {})
         ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
@@ -333,13 +338,24 @@ def _record_inputs(cfg: TrainerConfig, opened: _Opened, teachers, accept: tuple,
     record_inputs(opened.rd, {**opened.inputs, **remote}, accepted, step=step)
 
 
-def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
+def build_rewards(cfg: TrainerConfig, task: Task, given: tuple = ()) -> Rewards:
+    """What a completion earns (opdistill/data/rewards.py): ``reward.functions``, or the callables (or names) a
+    Python caller handed in (``given``; the config then names none), each imported and its signature checked."""
+    if given and cfg.reward.functions:
+        raise ConfigError(f"rewards: {len(given)} given in Python and reward.functions={cfg.reward.functions} in the "
+                          f"config; name the reward functions in one place")
+    return Rewards(task, given or cfg.reward.functions, cfg.reward.weights if not given else None,
+                   key="rewards" if given else "reward.functions")
+
+
+def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") -> tuple:
     """Every refusal the config, the process layout and the model folders' metadata decide: (tokenizer, task,
-    source, held-out problems, the teacher cache or None, the teacher's own prompt per problem or None). Nothing is
-    loaded yet: the cache file is checked here (format, checksum, values, K, tokenizer), its teacher once the
-    teacher is loaded."""
+    source, held-out problems, the teacher cache or None, the teacher's own prompt per problem or None, the
+    rewards). Nothing is loaded yet: the cache file is checked here (format, checksum, values, K, tokenizer), its
+    teacher once the teacher is loaded; the reward functions are imported."""
     tok, student_info, teacher_infos = _infos(cfg, models)
-    task = build_task(cfg)
+    task = given.task if given.task is not None else build_task(cfg)
+    rewards = build_rewards(cfg, task, tuple(given.rewards))
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
     context = build_context(cfg, task, tok)
@@ -347,7 +363,7 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models) -> tuple:
                          held_out=len(held_out))
     if context is not None:
         check_context(cfg, context, tok, student_info, teacher_infos, source, held_out)
-    return tok, task, source, held_out, open_teacher_cache(cfg, tok), context
+    return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards
 
 
 def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: int | None = None) -> dict:
@@ -358,14 +374,15 @@ def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: in
     if nproc is not None and nproc > 1:
         dp = check_layout(cfg, nproc)  # opdistill/train/run/rules.py: what torchrun's start-up refuses
         ctx = DistContext(rank=0, world=nproc, dp_rank=0, dp_world=dp)
-    tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, None)
+    tok, task, source, held_out, cache, context, rewards = _refuse_early(cfg, ctx, None, Given())
     return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
 
 
-def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool, accept: tuple = ()):
+def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool, accept: tuple = (),
+                  objects: dict | None = None):
     """(RunDir, checkpoint to resume or None, rank 0's :class:`_Opened` or None): rank 0 alone locks the run directory
     and applies its rules; the others wait for its verdict and resume from its choice."""
-    opened = ctx.from_main(_open_run, cfg, resume, overwrite, accept)
+    opened = ctx.from_main(_open_run, cfg, resume, overwrite, accept, objects)
     rd, ckpt = (opened.rd, opened.ckpt) if opened is not None else (RunDir(Path(cfg.run_dir), None), None)
     shared = ctx.broadcast_text(None if ckpt is None else str(ckpt))
     return rd, None if shared is None else Path(shared), opened
@@ -405,12 +422,25 @@ def _loss(cfg: TrainerConfig, ctx: DistContext):
     return DistillationLoss(cfg.loss, **ctx.vocab_kwargs)
 
 
+@dataclass(frozen=True)
+class Given:
+    """What a Python caller hands ``run_training`` besides the models (docs/python_api.md): its own ``task`` (in
+    place of the config's data section's task), reward functions (in place of ``reward.functions``) and
+    ``callbacks`` (called with each step's metrics: :func:`opdistill.train.loop.run_training`)."""
+
+    task: Task | None = None
+    rewards: tuple = ()
+    callbacks: tuple = ()
+
+
 def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,
-             quiet: bool = False, accept_changed: tuple = ()) -> Run:
+             quiet: bool = False, accept_changed: tuple = (), given: Given = Given()) -> Run:
     """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring). ``accept_changed``:
-    the inputs whose change since the run started a resume accepts (``--accept-changed``; train/disk/inputs.py)."""
-    tok, task, source, held_out, cache, context = _refuse_early(cfg, ctx, models)
-    rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed))
+    the inputs whose change since the run started a resume accepts (``--accept-changed``; train/disk/inputs.py).
+    ``models``, ``given``: what a Python caller hands in (models, a task, rewards, callbacks)."""
+    tok, task, source, held_out, cache, context, rewards = _refuse_early(cfg, ctx, models, given)
+    objects = object_inputs(models, task) if ctx.is_main else None  # their fingerprints (train/disk/inputs.py)
+    rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed), objects)
     stack.enter_context(rd)
     student, teacher_models = _load(cfg, ctx, tok, models)
     params = [p for p in student.parameters() if p.requires_grad]
@@ -448,14 +478,14 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx,
-                        context=context)
+                        context=context, rewards=rewards)
     pipeline = None
     if cfg.train.max_staleness:  # last: its thread starts generating at once
         pipeline = stack.enter_context(_closing(Pipeline(
             collect, student, max_staleness=cfg.train.max_staleness, start=state.step, steps=cfg.train.steps,
             versions=Pipeline.versions_from(saved_tensors))))
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
-               teachers, collect, save, config_to_dict(cfg), pipeline, context)
+               teachers, collect, save, config_to_dict(cfg), pipeline, context, tuple(given.callbacks))
 
 
 def _teacher_heads(teacher) -> dict[str, str]:

@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from opdistill.runs.values import summarize, values_to_json
-from opdistill.train.assemble import Run, RunState, assemble, build_task, load_models
+from opdistill.data import Task
+from opdistill.train.assemble import Given, Run, RunState, assemble, build_task, load_models
 from opdistill.train.disk.checkpoint import rng_state
 from opdistill.train.run.config import TrainerConfig
 from opdistill.train.run.distributed import DistContext, init_distributed
 from opdistill.train.steps.evaluate import evaluate_values, gather_values
-from opdistill.train.run.interrupt import StopSignals
+from opdistill.train.run.interrupt import CALLBACK, StopSignals
 from opdistill.train.disk.rundir import NonFiniteError, atomic_write_text
 from opdistill.train.steps.step import train_step
 
@@ -76,10 +77,24 @@ def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
 
 
 def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = False, models=None,
-                 quiet: bool = False, accept_changed: tuple = ()) -> dict:
+                 quiet: bool = False, accept_changed: tuple = (), task: Task | None = None, rewards=(),
+                 callbacks=()) -> dict:
     """Train as configured; returns a summary (steps, time, eval history, the run folder and its last checkpoint;
-    ``stopped``: the signal's name when SIGINT/SIGTERM stopped the run early, else None). ``models`` = (tok,
-    student, teacher) already loaded (``teacher``: a model, or {name: model} for ``teachers``).
+    ``stopped``: the signal's name when SIGINT/SIGTERM stopped the run early, ``"callback"`` when a callback did,
+    else None). The Python API (docs/python_api.md):
+
+    - ``models`` = (tok, student, teacher) already loaded (``teacher``: a model, or {name: model} for ``teachers``;
+      None for RL), in place of the folders model.student / model.teacher name;
+    - ``task``: an :class:`opdistill.data.Task` (e.g. ``DatasetTask.from_rows(rows)``) in place of the config's
+      data.task / data.path;
+    - ``rewards``: reward functions (callables, or ``module:function`` names) in place of ``reward.functions``, with
+      its signature and checks (opdistill/data/rewards.py);
+    - ``callbacks``: ``callback(step, metrics)`` after each step is logged (``metrics``: that step's line of
+      metrics.jsonl, the evaluation's metrics included on evaluation steps); returning True stops the run after
+      that step, with its checkpoint, as a first Ctrl-C does.
+
+    What is handed in is fingerprinted in the run's record of its inputs (train/disk/inputs.py), so a resume with
+    other objects is refused as a changed folder is.
 
     ``resume``: continue the run in ``cfg.run_dir`` from its newest intact checkpoint (allowed config changes only);
     ``overwrite``: delete the run in ``cfg.run_dir`` first. Without either, a ``run_dir`` holding a run is refused
@@ -96,7 +111,7 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         torch.set_num_threads(cfg.train.threads)
     with init_distributed(cfg) as ctx, ExitStack() as stack:  # world size 1 without torchrun: no process group
         run = assemble(cfg, ctx, stack, resume=resume, overwrite=overwrite, models=models, quiet=quiet,
-                       accept_changed=accept_changed)
+                       accept_changed=accept_changed, given=Given(task, tuple(rewards), tuple(callbacks)))
         with StopSignals() as stop:
             return _loop(run, stop)
 
@@ -162,7 +177,7 @@ def _loop(run: Run, stop: StopSignals) -> dict:
     return {"steps": state.step, "train_time_s": state.train_time, "eval_history": state.eval_history,
             "final_eval": state.eval_history[-1] if state.eval_history else {}, "run_dir": str(run.rd.path),
             "checkpoint": _checkpoint_path(run), "stopped": stop.signal_name if stopped else None,
-            "exit_code": 128 + (stop.signum or 15) if stopped else 0}
+            "exit_code": 0 if not stopped or stop.signal_name == CALLBACK else 128 + (stop.signum or 15)}
 
 
 def _checkpoint_path(run: Run) -> str | None:
@@ -238,6 +253,8 @@ def _steps(run: Run, stop: StopSignals, progress: _Completed) -> bool:
         logger.log(state.step, metrics)
         logger.advance(state.train_time)
         progress.phase = "after"
+        if any([bool(cb(state.step, {"step": state.step, **metrics})) for cb in run.callbacks]):  # each sees each
+            stop.ask(CALLBACK)
         if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
             _save(run)
-    return False
+    return stop.signal_name == CALLBACK  # asked on the last step: stopped too (no final evaluation)

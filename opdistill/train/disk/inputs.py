@@ -27,6 +27,9 @@ a stock ``vllm serve``      the served model's name only (its API states no fing
 ``data.teacher_cache``      the last included (``"method": "size+mtime+sample"``: a copy that does not keep the
                             modification time reads as a change); a folder: each of its files so; a hub dataset name:
                             the name only (not verifiable offline)
+``data.task``               every run's task (the config's, or a Python task object): its class and the SHA-256 of its
+                            first 64 problems from seed 0 and first 64 held-out ones (:func:`object_inputs`)
+model objects               handed to ``run_training(models=...)``: a folder's fields, computed from the objects
 ==========================  ============================================================================================
 
 A comparison reads only the inputs the command reads (``export`` reads the student; ``eval`` the student, the teacher
@@ -119,12 +122,15 @@ def model_fingerprint(name: str, *, dtype: str, trust_remote_code: bool, key: st
     return out
 
 
-def local_inputs(cfg, *, only: tuple[str, ...] | None = None) -> dict[str, dict]:
+def local_inputs(cfg, *, only: tuple[str, ...] | None = None, given: dict | None = None) -> dict[str, dict]:
     """The fingerprints of what ``cfg``'s run reads from files (``only``: those input names): the student folder,
-    the in-process teacher folders, the data files. The servers' come from :func:`remote_inputs`."""
+    the in-process teacher folders, the data files. The servers' come from :func:`remote_inputs`. ``given``: the
+    fingerprints of the objects a Python caller handed in (:func:`object_inputs`), in place of the files the config
+    names for them."""
     mc, dc = cfg.model, cfg.data
     kw = dict(dtype=mc.dtype, trust_remote_code=mc.trust_remote_code)
-    want = (lambda n: True) if only is None else (lambda n: n in only)
+    given = given or {}
+    want = (lambda n: n not in given) if only is None else (lambda n: n in only and n not in given)
     out = {}
     if want("model.student"):
         out["model.student"] = model_fingerprint(mc.student, key="model.student", **kw)
@@ -137,6 +143,49 @@ def local_inputs(cfg, *, only: tuple[str, ...] | None = None) -> dict[str, dict]
                        ("data.eval_path", dc.eval_path), ("data.teacher_cache", dc.teacher_cache)):
         if value and want(key):
             out[key] = path_fingerprint(value) if os.path.exists(value) else {"kind": "hub dataset", "source": value}
+    return out | {n: v for n, v in given.items() if only is None or n in only}
+
+
+def _base_state(model) -> dict:
+    """A model's tensors as its folder holds them: a LoRA student's (adapters injected by run/lora.py) without the
+    adapters, each wrapped layer's weight under its own name (what the folder's fingerprint, the base's, hashes)."""
+    state = model.state_dict()
+    if not any(".base_layer." in k for k in state):
+        return state
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+TASK_PROBLEMS_HASHED = 64  # a task handed in Python: the problems its fingerprint hashes
+
+
+def object_inputs(models=None, task=None) -> dict[str, dict]:
+    """The fingerprints of the objects a run reads: ``models`` a Python caller handed to ``run_training`` in place of
+    the config's folders (tok, student, teacher: a model, ``{name: model}`` or None), as a folder's fingerprint of
+    the same models reads (weights, config, dtype, vocabulary, tokenizer); and the run's ``task`` (``data.task``:
+    the config's or one handed in), its class and the SHA-256 of its first :data:`TASK_PROBLEMS_HASHED` problems
+    drawn from seed 0 and of its first as many held-out problems (``held_out(n, 0)``)."""
+    import dataclasses
+    import random
+
+    from opdistill.teachers.fingerprint import canonical_json, teacher_fingerprint, tokenizer_fingerprint
+
+    out = {}
+    if models is not None:
+        tok, student, teacher = models
+        named = teacher if isinstance(teacher, dict) else {"": teacher}
+        for name, model in {"model.student": student, **{("teachers." + n if n else "teacher"): m
+                                                         for n, m in named.items() if m is not None}}.items():
+            if name == "teacher" and model is student:  # model.teacher: self, handed in as the student itself
+                continue
+            fp = teacher_fingerprint(model, _base_state(model))
+            out[name] = {"kind": "model object", "source": type(model).__name__,
+                         **{k.removeprefix("teacher_"): v for k, v in fp.items()}, **tokenizer_fingerprint(tok)}
+    if task is not None:
+        rng = random.Random(0)
+        problems = [task.sample(rng) for _ in range(TASK_PROBLEMS_HASHED)]
+        problems += list(task.held_out(TASK_PROBLEMS_HASHED, 0) or [])
+        digest = hashlib.sha256(canonical_json([dataclasses.asdict(p) for p in problems])).hexdigest()
+        out["data.task"] = {"kind": "task", "source": type(task).__qualname__, "problems_sha256": digest}
     return out
 
 

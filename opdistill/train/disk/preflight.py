@@ -94,7 +94,11 @@ def check_loaded(cfg: TrainerConfig, student, teacher, *, training: bool = True)
     in ``model.dtype``; ``training=False``: fp16 is fine for ``opdistill eval`` and ``score``)."""
     check_finite_weights(cfg, student, teacher)
     if training and cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
-        raise ConfigError(_FP16)
+        if cfg.model.dtype == "float16":
+            raise ConfigError(_FP16)
+        raise ConfigError("models: the student handed in has float16 trainable parameters; " +
+                          _FP16.split("refused: ", 1)[1].replace("use bfloat16", "load it in bfloat16", 1)
+                          .replace(" (float16 is fine for eval and score)", " (from_pretrained(..., dtype=...))"))
 
 
 def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task, *,
@@ -142,9 +146,10 @@ def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: 
                           f"prompt needs at least one), got {new}")
     if isinstance(task, DatasetTask):
         if not task.has_held_out and cfg.eval.num_prompts:
-            warnings.warn(f"data: {cfg.data.path} has no held-out rows, so eval/* measures prompts drawn from the "
-                          f"training rows; set data.eval_path, data.eval_split or data.eval_fraction (docs/data.md)",
-                          stacklevel=2)
+            fix = "set data.eval_path, data.eval_split or data.eval_fraction (docs/data.md)" \
+                if isinstance(task.path, str) else "give DatasetTask.from_rows eval_rows or eval_fraction"
+            warnings.warn(f"data: {task.path} has no held-out rows, so eval/* measures prompts drawn from the "
+                          f"training rows; {fix}", stacklevel=2)
         task.fit_prompts(tokenizer, budget, overlong=cfg.data.overlong, use_chat_template=cfg.data.use_chat_template)
         return
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)

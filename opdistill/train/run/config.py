@@ -30,7 +30,7 @@ from opdistill.errors import ConfigError, quote
 from opdistill.train.run.rules import check_config
 from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
-__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
+__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RewardConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
            "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "ContextConfig",
            "NamedTeacher",
            "RoutingConfig", "TrainerConfig",
@@ -89,6 +89,15 @@ class DataConfig(_Section):
     eval_split: Optional[str] = None  # held-out rows from this split (of eval_path, else of path)
     eval_fraction: Optional[float] = Field(None, gt=0, lt=1)  # or: hold out this share of path's distinct prompts
     answer_match: Literal["math", "exact", "contains"] = "math"  # how answer_field is checked (opdistill/data/answers.py)
+
+class RewardConfig(_Section):
+    """``reward``: what a completion earns (opdistill/data/rewards.py; docs/trainer.md "Your own reward"): what RL,
+    loss.use_task_rewards and loss.use_policy_gradient optimize and train/reward reports."""
+
+    # 'task' (the task's verifier), 'module:function' or 'file.py:function'; empty: the task's verifier alone
+    functions: list[str] = []
+    weights: Optional[list[float]] = None  # one per function (a row's reward: the weighted sum); null: 1 each
+
 
 class RolloutConfig(_Section):
     n: int = Field(4, ge=1)  # samples per prompt (a GRPO group)
@@ -263,6 +272,7 @@ class TrainerConfig(_Section):
     run_dir: str = "runs/run"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()  # your own reward functions (default: the task's verifier)
     rollout: RolloutConfig = RolloutConfig()
     teacher: TeacherConfig = TeacherConfig()  # engine, or a remote teacher server
     loss: DistillationConfig = Field(default_factory=DistillationConfig)  # built by load_config (see _loss)

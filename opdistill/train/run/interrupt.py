@@ -22,7 +22,9 @@ import os
 import signal
 import threading
 
-__all__ = ["Aborted", "StopSignals"]
+__all__ = ["Aborted", "CALLBACK", "StopSignals"]
+
+CALLBACK = "callback"  # a stop a Python callback asked for (run_training's ``callbacks``)
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -74,6 +76,12 @@ class StopSignals:
         key = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
         os.write(2, f"\nopdistill: {self.signal_name} received: {self.what} ({key} again aborts at once; the "
                     f"checkpoints already written stay intact)\n".encode())
+
+    def ask(self, reason: str) -> None:
+        """A stop at the next safe point asked by the program itself (``reason``, e.g. :data:`CALLBACK`), as a first
+        signal asks: the step's checkpoint is written and the loop returns."""
+        if self.signal_name is None:
+            self.signal_name = reason
 
     def requested(self, ctx=None) -> bool:
         """Whether a stop was asked, on any rank (``ctx``: a ``DistContext``; its ``max`` is a no-op at world 1)."""

@@ -280,6 +280,20 @@ def _teacher_sharded(cfg) -> None:
               "a sharded teacher must run the same forwards on every rank)", True)
 
 
+def _reward(cfg) -> None:
+    """Each reward function named as the loader reads it (opdistill/data/rewards.py imports them, before any model
+    loads), one weight per function."""
+    s = cfg.reward
+    for i, spec in enumerate(s.functions):
+        where, sep, attr = spec.rpartition(":")
+        _need(spec == "task" or (sep and where and attr.isidentifier()), f"reward.functions.{i}",
+              "'task', 'module:function' or 'file.py:function'", spec)
+    if s.weights is not None and s.functions:  # without functions: one per reward run_training is handed (Rewards)
+        _need(len(s.weights) == len(s.functions), "reward.weights",
+              f"{len(s.functions)} number{'s' * (len(s.functions) != 1)}, one per entry of reward.functions",
+              s.weights)
+
+
 def _task_rewards(cfg) -> None:
     """Task rewards are group-normalized."""
     lc = cfg.loss
@@ -397,7 +411,7 @@ def lora_targets(lora) -> None:
 
 
 RULES = (_model, _data, _rollout, _optim, _context, _urls, _method, _context_rules, _sources, _engines, _full, _union,
-         _xtok, _teacher_engine, _correction, _decode, _teacher_sharded, _task_rewards, _teachers, _tensor_parallel,
+         _xtok, _teacher_engine, _correction, _decode, _teacher_sharded, _reward, _task_rewards, _teachers, _tensor_parallel,
          _lora)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opdistill.data import PromptSource, Task, TeacherPrompt, render_prompt
+from opdistill.data import PromptSource, Rewards, Task, TeacherPrompt, render_prompt
 from opdistill.engines.vllm import EngineSet
 from opdistill.loss import TeacherScores
 from opdistill.teachers import Rows, ScoreRequest, Teacher
@@ -83,12 +83,14 @@ class Collector:
     (``DistContext.rollout_model``), ``writer`` the model that writes off-policy samples (the teacher), ``teacher``
     the training teacher (None for RL), ``engines`` the student's rollout engine, ``cache`` the rows of a teacher
     cache (off-policy KD from ``data.teacher_cache``: no decoding), ``context`` the teacher's own prompt per problem
-    (``teacher.context``, SPEC 6.7: the teacher scores, and for off-policy KD writes, under it)."""
+    (``teacher.context``, SPEC 6.7: the teacher scores, and for off-policy KD writes, under it), ``rewards`` what a
+    completion earns (``reward.functions``, opdistill/data/rewards.py; default: the task's verifier)."""
 
     def __init__(self, cfg, *, tok, task: Task, source: PromptSource, teacher: Teacher | None, writer=None,
                  engines: EngineSet | None = None, cache: dict | None = None, ctx: DistContext = DistContext(),
-                 context: TeacherPrompt | None = None):
+                 context: TeacherPrompt | None = None, rewards: Rewards | None = None):
         self.cfg, self.tok, self.task, self.source, self.ctx = cfg, tok, task, source, ctx
+        self.rewards = rewards if rewards is not None else Rewards(task)  # default: the task's verifier
         self.teacher, self.writer, self.cache, self.context = teacher, writer, cache, context
         self.engines = engines or EngineSet()
 
@@ -139,11 +141,12 @@ class Collector:
                         tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index),
                         prompts=tuple(problems[i].prompt for i in ro.prompt_index),
                         teacher_prompts=None if x_t is None else tuple(x_t[i] for i in ro.prompt_index))
-        rewards = torch.tensor([self.task.score(problems[i], t) for i, t in zip(ro.prompt_index, ro.texts)])
+        rewards, per_function = self.rewards([problems[i] for i in ro.prompt_index], ro.texts, step)
         if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
             data.advantages = group_advantages(rewards, ro.prompt_index)
-        sums = [float(rewards.double().sum()), float(ro.num_rows), float(ro.response_mask.sum())]
-        local = {"sums": sums + [0.0] * len(self._sum_names), "time/rollout_s": t1 - t0, "time/teacher_s": 0.0}
+        sums = [float(rewards.sum()), float(ro.num_rows), float(ro.response_mask.sum())]
+        sums += [0.0] * len(self._sum_names) + (per_function if self.rewards.custom else [])  # answer() fills the 0s
+        local = {"sums": sums, "time/rollout_s": t1 - t0, "time/teacher_s": 0.0}
         return Batch(step, data, rows, local)
 
     def ask(self, batch: "Batch") -> Future:
@@ -166,8 +169,8 @@ class Collector:
         if scores.mask is not None:
             data.response_mask = data.response_mask.clone()
             data.response_mask[:, 1:] *= scores.mask[:, :-1].to(data.response_mask.dtype)
-        got = scores.sums or {}
-        batch.local["sums"][3:] = [got.get(name, 0.0) for name in self._sum_names]
+        got, names = scores.sums or {}, self._sum_names
+        batch.local["sums"][3:3 + len(names)] = [got.get(name, 0.0) for name in names]
 
     @property
     def _sum_names(self) -> tuple:
@@ -204,9 +207,12 @@ class Collector:
     def reduce(self, local: dict) -> dict:
         """The step's metrics from :meth:`rollouts`' local ones, summed over the ranks (a collective)."""
         local = dict(local)
-        reward_sum, n_rows, tokens, *teacher_sums = self.ctx.sum(local.pop("sums"))
+        reward_sum, n_rows, tokens, *rest = self.ctx.sum(local.pop("sums"))
+        teacher_sums, function_sums = rest[:len(self._sum_names)], rest[len(self._sum_names):]
         out = {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
                "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
+        for name, total in zip(self.rewards.names, function_sums):  # reward.functions: each one's mean
+            out[f"reward/{name}"] = total / n_rows if n_rows else float("nan")
         if teacher_sums:  # e.g. a cross-tokenizer teacher's counts (SPEC 6.6): over the step's rows on every rank
             out.update(self.teacher.step_metrics(dict(zip(self._sum_names, teacher_sums))))
         return out
