@@ -62,10 +62,24 @@ def _check(args, cfg) -> int:
         raise ConfigError(f"--nproc: expected a number of processes >= 1, got {nproc}")
     found = check_run(cfg, nproc=nproc)
     run_dir = Path(cfg.run_dir)
-    if (run_dir / "config.yaml").exists():
+    if getattr(args, "resume", False):  # train --dry-run --resume: what the resume itself would refuse
+        from opdistill.train.assemble import check_resume
+        from opdistill.train.disk.inputs import parse_accept_changed
+
+        step, changes = check_resume(cfg, parse_accept_changed(args.accept_changed))
+        said = "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        where = f"--resume would continue run_dir {run_dir} from step {step}" + (f", changing {said}" if said else "")
+    elif (run_dir / "config.yaml").exists():
         where = f"run_dir {run_dir} holds a run: continue it with --resume, or replace it with --overwrite"
     else:
         where = f"run_dir {run_dir} is free"
+    for key, t in [("teacher", cfg.teacher)] + [(f"teachers: {t.name}", t) for t in cfg.teachers or []]:
+        if t.url is not None:  # how long a request may wait on a server that does not answer before it gives up
+            from opdistill.teachers.http import MAX_BACKOFF_S, worst_case_s
+
+            print(f"# {key}: a request gives up after at most {worst_case_s(t.timeout_s, t.retries, t.backoff_s):,.0f}"
+                  f" s ({t.retries + 1} tries of up to {t.timeout_s:g} s, the waits between them doubling from "
+                  f"{t.backoff_s:g} s to at most {MAX_BACKOFF_S:g} s)", file=sys.stderr)
     layout = f" as {nproc} processes (torchrun --nproc-per-node {nproc})" if nproc and nproc > 1 else ""
     print(f"# ok: the config, the model folders' metadata, the data ({found['held_out']} held-out problems) and "
           f"the teacher settings pass every check made before loading{layout}; {where}", file=sys.stderr)
@@ -107,6 +121,8 @@ def _eval(args, write_output):
 
     from opdistill.train import load_config
     from opdistill.train.commands import evaluate_run
+    from opdistill.errors import RunError
+    from opdistill.train.disk.checkpoint import list_checkpoints
     from opdistill.train.disk.inputs import parse_accept_changed
 
     config, overrides, ckpt = args.config, list(args.overrides), args.checkpoint
@@ -119,8 +135,12 @@ def _eval(args, write_output):
         if not config.is_file():
             raise ConfigError(f"{run_dir}: no config.yaml (expected a run directory, or pass --config FILE)")
         overrides.insert(0, f"run_dir={run_dir}")
-        if ckpt is None and (run_dir / "checkpoints").is_dir():
-            ckpt = "latest"
+        if ckpt is None and not list_checkpoints(run_dir):  # never the untrained student in the run's name
+            raise RunError(f"eval: {run_dir} holds no checkpoint (checkpoints/ is missing or empty), so there is no "
+                           f"trained student to evaluate; evaluate the configured student, untrained, with "
+                           f"--checkpoint student")
+        ckpt = "latest" if ckpt is None else ckpt
+    ckpt = None if ckpt == "student" else ckpt
     if accept and run_dir is None:
         raise ConfigError("--accept-changed: only with a RUN_DIR (the run whose record of its inputs is compared)")
     report = evaluate_run(load_config(config, overrides), checkpoint=ckpt, run_dir=run_dir, accept=accept,
@@ -286,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Greedy and sampled verifier accuracy, teacher-KL, overlap and masses.")
     e.add_argument("--config", default=None, help="YAML config (default: RUN_DIR/config.yaml)")
     e.add_argument("--checkpoint", default=None,
-                   help="checkpoint folder (its weights only), or 'latest' for the run's newest intact one "
-                        "(default: 'latest' with RUN_DIR when it has checkpoints, else the configured student)")
+                   help="checkpoint folder (its weights only), 'latest' for the run's newest intact one, or "
+                        "'student' for the configured student untrained (default: 'latest' with RUN_DIR, which "
+                        "must then hold a checkpoint; with --config, the configured student)")
     e.add_argument("--out", default=None, help="also write the JSON report to this file (default: none)")
     e.add_argument("--json", action="store_true", help="print the JSON report instead of the table (default: table)")
     e.add_argument("--values", default=None,

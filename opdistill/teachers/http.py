@@ -7,9 +7,10 @@
   it, and closes its connection, when the time is up. A try that outlives its deadline counts as a failed try.
 - **A bounded answer.** The body is read in chunks and refused above ``max_response_bytes`` (default 1 GiB).
 - Connection failures, deadlines and 5xx answers are retried with exponential backoff (``backoff_s * 2**i`` before
-  try i + 1), then raise :class:`TeacherServiceError` (a :class:`~opdistill.errors.UserError`: the CLI prints one
-  line and exits 2) naming the server and the request. A 4xx answer is not retried: its message comes back in the
-  error. A request therefore ends within ``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds.
+  try i + 1, each wait capped at :data:`MAX_BACKOFF_S`), then raise :class:`TeacherServiceError` (a
+  :class:`~opdistill.errors.UserError`: the CLI prints one line and exits 2) naming the server and the request. A
+  4xx answer is not retried: its message comes back in the error. A request therefore ends within
+  :func:`worst_case_s` seconds: ``(retries + 1) * timeout_s`` plus the waits (``opdistill check`` states it).
 """
 from __future__ import annotations
 
@@ -18,9 +19,23 @@ import re
 import threading
 import time
 from opdistill.errors import UserError
+
+MAX_BACKOFF_S = 60.0  # the longest wait between two tries, however many retries
+
+
+def backoff_wait(backoff_s: float, attempt: int) -> float:
+    """The wait before try ``attempt`` + 1 (``attempt`` >= 1): ``backoff_s * 2**(attempt - 1)``, at most
+    :data:`MAX_BACKOFF_S`."""
+    return min(backoff_s * 2.0 ** min(attempt - 1, 1023), MAX_BACKOFF_S)
+
+
+def worst_case_s(timeout_s: float, retries: int, backoff_s: float) -> float:
+    """The longest a request can take before it gives up: every try to its deadline, every wait in between."""
+    return (retries + 1) * timeout_s + sum(backoff_wait(backoff_s, a) for a in range(1, retries + 1))
 from opdistill.teachers.base import Teacher
 
-__all__ = ["TeacherServiceError", "TeacherUnavailable", "HttpClient", "HttpTeacher", "MAX_TOKEN_BYTES",
+__all__ = ["TeacherServiceError", "TeacherUnavailable", "HttpClient", "HttpTeacher", "MAX_BACKOFF_S", "MAX_TOKEN_BYTES",
+           "backoff_wait", "worst_case_s",
            "read_token_file"]
 
 MAX_TOKEN_BYTES = 64 << 10  # a token file's size
@@ -155,7 +170,7 @@ class HttpClient:
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(backoff_wait(self.backoff_s, attempt))
             try:
                 resp = self._try(method, path, kw)
             except (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException):

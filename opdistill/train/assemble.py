@@ -32,7 +32,7 @@ import torch
 from opdistill import DistillationLoss, PolicyGradientLoss
 from opdistill.data import DatasetTask, PromptSource, Rewards, Task, TeacherPrompt, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
-from opdistill.errors import ConfigError, IncompatibleModelsError
+from opdistill.errors import ConfigError, IncompatibleModelsError, RunError
 from opdistill.fused import check_lm_head
 from opdistill.models import (check_compatible, empty_model, load_model, load_shards, load_tokenizer, model_config,
                               resolve_model_path, truncate_layers)
@@ -58,7 +58,7 @@ from opdistill.train.disk.wandb_log import open_wandb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Given", "Run", "RunState", "assemble", "check_run", "build_task", "build_context", "build_rewards",
+__all__ = ["Given", "Run", "RunState", "assemble", "check_resume", "check_run", "build_task", "build_context", "build_rewards",
            "load_models", "lr_lambda", "open_teacher_cache"]
 
 
@@ -307,25 +307,45 @@ def _open_run(cfg: TrainerConfig, resume: bool, overwrite: bool, accept: tuple =
         local = local_inputs(cfg, given=objects)
         if not resume:
             return _Opened(rd, None, local, {})
-        ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
-        step = checkpoint_step(ckpt)
-        changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
-                                         config_to_dict(cfg), step=step)
+        ckpt, step, changes, accepted = _resume_checks(rd, cfg, local, accept)
         log.info("resuming %s from step %d (%s)", rd.path, step, ckpt)
         for key, (was, now) in changes.items():  # allowed, recorded in config_history.jsonl, and said
             log.info("--resume changes %s: %r -> %r (recorded in config_history.jsonl)", key, was, now)
-        check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
         if "train.steps" in changes and cfg.optim.schedule == "cosine":
             warnings.warn(f"train.steps changed {changes['train.steps'][0]} -> {cfg.train.steps}: the cosine "
                           f"schedule now decays over {cfg.train.steps} steps, so the learning rate from the resumed "
                           f"step on differs from the original run's", RunWarning, stacklevel=3)
-        accepted = check_inputs(rd.path, local, accept, what="--resume")  # a folder or file changed under the run
         set_aside_newer(rd.path, ckpt)
         set_aside_evaluations(rd.path, step)  # as metrics.jsonl is trimmed to the checkpoint
         return _Opened(rd, ckpt, local, accepted)
     except BaseException:
         rd.close()
         raise
+
+
+def _resume_checks(rd: RunDir, cfg: TrainerConfig, local: dict, accept: tuple, *, record: bool = True) -> tuple:
+    """The refusals of a resume: (the checkpoint, its step, the config's allowed changes, the input changes
+    accepted). Its newest intact checkpoint; the config against the run's (``record``: its allowed changes appended
+    to config_history.jsonl); the checkpoint's own config; what the run reads against its record."""
+    ckpt = resume_checkpoint(rd.path, hint="; start the run again with --overwrite, or use another run_dir")
+    step = checkpoint_step(ckpt)
+    changes = rd.check_resume_config(rd.effective_config(lambda p: config_to_dict(load_config(p))),
+                                     config_to_dict(cfg), step=step, record=record)
+    check_checkpoint_config(ckpt, config_to_dict(cfg))  # a copied checkpoint or a hand-edited config.yaml
+    accepted = check_inputs(rd.path, local, accept, what="--resume")  # a folder or file changed under the run
+    return ckpt, step, changes, accepted
+
+
+def check_resume(cfg: TrainerConfig, accept: tuple = ()) -> tuple[int, dict]:
+    """``train --dry-run --resume``: every refusal a resume of ``cfg.run_dir`` makes before a model loads (a run
+    there, an intact checkpoint, the config's changes, the files' fingerprints), nothing written or locked. Returns
+    (the step it would resume from, the config's allowed changes)."""
+    path = Path(cfg.run_dir)
+    if not (path / "config.yaml").exists():
+        raise RunError(f"--resume: {path} holds no run (no config.yaml); start a new run without --resume")
+    local = local_inputs(cfg, given=object_inputs(task=build_task(cfg)))
+    ckpt, step, changes, _ = _resume_checks(RunDir(path, None), cfg, local, accept, record=False)
+    return step, changes
 
 
 def _record_inputs(cfg: TrainerConfig, opened: _Opened, teachers, accept: tuple, step: int) -> None:

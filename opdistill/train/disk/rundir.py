@@ -232,9 +232,9 @@ class RunDir:
                 flat[key] = change["to"]
         return _unflatten(flat)
 
-    def check_resume_config(self, old: dict, new: dict, step: int) -> dict[str, tuple]:
+    def check_resume_config(self, old: dict, new: dict, step: int, *, record: bool = True) -> dict[str, tuple]:
         """Refuse a change to a key outside :data:`RESUMABLE_KEYS` (with the diff of every such key); append the
-        allowed changes to ``config_history.jsonl``; return them."""
+        allowed changes to ``config_history.jsonl`` (``record``); return them."""
         changes = config_changes(old, new)
         refused = {k: v for k, v in changes.items() if not _resumable(k, v)}
         if refused:
@@ -243,7 +243,7 @@ class RunDir:
                            f"continue the run, give its own values again (e.g. the overrides it started with): "
                            f"{repeat} (only {', '.join(RESUMABLE_KEYS)} may change on resume; another run_dir starts "
                            f"a new run, and --overwrite deletes this one)")
-        if changes:
+        if changes and record:
             append_history(self, {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                   "resumed_at_step": step,
                                   "changes": {k: {"from": a, "to": b} for k, (a, b) in changes.items()}})

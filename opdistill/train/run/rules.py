@@ -17,7 +17,8 @@ from typing import Any
 from opdistill.errors import ConfigError, quote
 from opdistill.teachers.build import teacher_sources
 
-__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_layout", "check_urls", "lora_targets"]
+__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_layout", "check_urls", "lora_targets",
+           "no_credentials", "redact_url"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -79,10 +80,12 @@ def _context(cfg) -> None:
     return
 
 def _urls(cfg) -> None:
-    """``teacher.url`` and each named teacher's: http(s)://host:port, each server of a pool once."""
-    check_urls(cfg.teacher.url, "teacher.url")
-    for t in cfg.teachers or []:
-        check_urls(t.url, f"teachers: url of teacher {quote(t.name)}")
+    """``teacher.url`` and each named teacher's: http(s)://host:port, each server of a pool once, no credentials
+    in it (they would be written into config.yaml and every message naming the server: teacher.token_file)."""
+    for url, key in [(cfg.teacher.url, "teacher.url")] + [(t.url, f"teachers: url of teacher {quote(t.name)}")
+                                                          for t in cfg.teachers or []]:
+        no_credentials(url, key)
+        check_urls(url, key)
 
 def _method(cfg) -> None:
     """A teacher where the method needs one, the loss's K, the policy-gradient modes off-policy, the run folder."""
@@ -220,6 +223,10 @@ def _correction(cfg) -> None:
               rc.tis_cap)
     S = cfg.train.max_staleness
     if S:
+        # step t reads the weights after step t-1-S (0 before that): S >= steps reads version 0 alone, while the
+        # pipeline would keep a copy of every step's weights in memory and checkpoints for nothing
+        _need(S < max(cfg.train.steps, 1), "train.max_staleness", f"at most train.steps - 1 = "
+              f"{max(cfg.train.steps - 1, 0)} (with S >= train.steps every step reads the starting weights)", S)
         with_s = f" with train.max_staleness {S}"
         _need(method != "off_policy", "train.method", "on_policy or rl (off_policy samples are the teacher's)"
               + with_s, method)
@@ -455,6 +462,20 @@ def check_backend(cfg) -> None:
     if (backend == "nccl") != (device == "cuda"):
         raise ConfigError(f"distributed.backend: {backend} does not fit train.device={device} (nccl is for "
                           f"CUDA, gloo for CPU); use distributed.backend=auto (docs/distributed.md)")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its ``user:password@`` part, if any, replaced by ``***@`` (what a message may show)."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]*@", r"\1***@", url)
+
+
+def no_credentials(url, key: str) -> None:
+    """Refuse a ``user:password@`` (or ``user@``) part in a server URL, without echoing it."""
+    for u in [url] if isinstance(url, str) else url or []:
+        if isinstance(u, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]*@", u):
+            raise ConfigError(f"{key}: credentials in a URL ({redact_url(u)}) are refused: they would be written "
+                              f"into the run's config.yaml and every message naming the server; give the server's "
+                              f"bearer token in teacher.token_file (docs/teacher_service.md)")
 
 
 def check_urls(url, key: str) -> None:

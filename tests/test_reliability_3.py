@@ -1,0 +1,104 @@
+"""Issue 37 (reliability, round three), the run-level findings: each a regression test of a probe that was silent,
+unbounded or leaked a secret on the code before its fix."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from opdistill.cli import main
+from opdistill.errors import ConfigError
+from opdistill.train import load_config
+from tests.trainer_helpers import tiny_config_dict
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A finished 2-step run (a checkpoint of step 2) and its config file."""
+    cfg = tiny_config_dict(tmp_path, steps=2, checkpoint={"every": 0})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(path)]) == 0
+    return tmp_path / "run", path
+
+
+def _err(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_eval_of_a_run_without_checkpoints_refuses_unless_the_untrained_student_is_asked_for(trained, capsys):
+    run, _ = trained
+    shutil.rmtree(run / "checkpoints")  # was: evaluated the untrained student under the run's name, exit 0
+    assert main(["eval", str(run), "eval.num_prompts=2"]) == 2
+    assert _err(capsys)[-1] == (
+        f"opdistill eval: run error: eval: {run} holds no checkpoint (checkpoints/ is missing or empty), so there is "
+        f"no trained student to evaluate; evaluate the configured student, untrained, with --checkpoint student")
+    assert main(["eval", str(run), "--checkpoint", "student", "eval.num_prompts=2", "--json"]) == 0
+    assert '"checkpoint": null' in capsys.readouterr().out
+
+
+def test_dry_run_resume_runs_the_resume_checks(trained, tmp_path, capsys):
+    run, path = trained
+    capsys.readouterr()
+    # a changed key the real resume refuses: was "# ok" and exit 0
+    assert main(["train", "--config", str(path), "--resume", "--dry-run", "optim.lr=0.5"]) == 2
+    assert _err(capsys)[-1].startswith(f"opdistill train: run error: --resume: the config changes what run {run} "
+                                       f"means: optim.lr 0.01 -> 0.5;")
+    history = run / "config_history.jsonl"
+    before = history.read_text() if history.exists() else None
+    assert main(["train", "--config", str(path), "--resume", "--dry-run", "train.steps=4"]) == 0
+    assert _err(capsys)[-1].endswith(f"--resume would continue run_dir {run} from step 2, changing train.steps 2 -> 4")
+    assert (history.read_text() if history.exists() else None) == before  # a dry run writes nothing
+    shutil.rmtree(run / "checkpoints")  # no checkpoint: the real resume refuses, so does the dry run
+    assert main(["train", "--config", str(path), "--resume", "--dry-run"]) == 2
+    assert _err(capsys)[-1] == (f"opdistill train: run error: no checkpoint under {run}/checkpoints; start the run "
+                                f"again with --overwrite, or use another run_dir")
+    fresh = tmp_path / "fresh"
+    assert main(["train", "--config", str(path), "--resume", "--dry-run", f"run_dir={fresh}"]) == 2
+    assert _err(capsys)[-1] == (f"opdistill train: run error: --resume: {fresh} holds no run (no config.yaml); start "
+                                f"a new run without --resume")
+    assert not fresh.exists()
+
+
+def test_max_staleness_at_or_above_the_steps_is_refused(tmp_path):
+    base = tiny_config_dict(tmp_path, steps=5, rollout={"correction": "none"})
+    load_config(base=base, overrides=["train.max_staleness=4"])
+    with pytest.raises(ConfigError, match=r"^train.max_staleness: expected at most train.steps - 1 = 4 \(with S >= "
+                                          r"train.steps every step reads the starting weights\), got 100$"):
+        load_config(base=base, overrides=["train.max_staleness=100"])  # was: a weight copy per step, for nothing
+
+
+def test_retry_waits_are_capped_and_check_states_the_worst_case(tmp_path, capsys):
+    from opdistill.teachers.http import MAX_BACKOFF_S, backoff_wait, worst_case_s
+
+    assert [backoff_wait(0.5, a) for a in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert backoff_wait(0.5, 40) == MAX_BACKOFF_S == 60.0  # was 0.5 * 2**39 s
+    assert backoff_wait(0.5, 10**9) == MAX_BACKOFF_S  # no overflow
+    assert worst_case_s(120, 3, 0.5) == 4 * 120 + 0.5 + 1 + 2
+    cfg = tiny_config_dict(tmp_path)
+    cfg["model"]["teacher"] = None
+    cfg["teacher"] = {"url": "http://127.0.0.1:9", "retries": 40, "timeout_s": 120.0}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    main(["check", "--config", str(path)])  # the server is not there: what matters is the stated bound
+    err = capsys.readouterr().err
+    want = 41 * 120 + sum(min(0.5 * 2 ** i, 60) for i in range(40))
+    assert f"# teacher: a request gives up after at most {want:,.0f} s (41 tries of up to 120 s, the waits between " \
+           f"them doubling from 0.5 s to at most 60 s)" in err
+
+
+@pytest.mark.parametrize("url", ["http://bob:s3cret@127.0.0.1:8000", ["http://127.0.0.1:8001",
+                                                                       "https://tok3n@127.0.0.1:8002"]])
+def test_credentials_in_a_teacher_url_are_refused_and_never_echoed(tmp_path, capsys, url):
+    cfg = tiny_config_dict(tmp_path)
+    cfg["model"]["teacher"] = None
+    cfg["teacher"] = {"url": url}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    for argv in (["check", "--config", str(path)], ["train", "--config", str(path)]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert "s3cret" not in out + err and "tok3n" not in out + err  # was: echoed, and written into config.yaml
+        assert "credentials in a URL (http" in err and "***@127.0.0.1" in err and "teacher.token_file" in err
+    assert not (tmp_path / "run").exists()
