@@ -10,7 +10,7 @@ import warnings
 
 from opdistill.console import metrics_table, one_line_warning as _one_line_warning, quiet_transformers, rank as _rank
 from opdistill.console import console_logging, rank_tag as _rank_tag, resume_advice as _resume_advice, train_report
-from opdistill.errors import ConfigError, UserError
+from opdistill.errors import ConfigError, UserError, disk_error
 
 __all__ = ["main"]
 
@@ -439,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, KeyboardInterrupt) as e:
         return _failed(args, e)
     except Exception as e:  # a bug: its traceback follows; what the run kept first
+        disk = disk_error(e)  # the disk full, read-only, ...: the machine's, not a bug; one line
+        if disk is not None:
+            return _failed(args, disk)
         if getattr(e, "advice", None):
             print(f"opdistill {args.command}: {_rank_tag()}{e.advice}", file=sys.stderr)
         raise

@@ -7,10 +7,18 @@ types are also ``ValueError`` so library callers that catch ``ValueError`` keep 
 """
 from __future__ import annotations
 
+import errno as _errno
+import re as _re
 import reprlib
 
-__all__ = ["UserError", "ConfigError", "DataError", "ModelError", "IncompatibleModelsError", "RewardError", "RunError",
-           "RunWarning", "quote"]
+__all__ = ["UserError", "ConfigError", "DataError", "DiskError", "ModelError", "IncompatibleModelsError", "RewardError",
+           "RunError", "RunWarning", "disk_error", "quote"]
+
+# what the machine's disk says, not a bug: full, over quota, read-only, permission denied, an I/O error
+DISK_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EROFS, _errno.EACCES, _errno.EPERM, _errno.EIO}
+_DISK_HINTS = {_errno.ENOSPC: "free some space", _errno.EDQUOT: "free some space or raise the quota",
+               _errno.EROFS: "write somewhere writable", _errno.EACCES: "check its permissions",
+               _errno.EPERM: "check its permissions and immutable flag", _errno.EIO: "check the disk"}
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 2, 4, 6, 6, 6
@@ -68,6 +76,36 @@ class RunError(UserError):
     key and the fix. The CLI prints it and exits 2."""
 
     kind = "run error"
+
+
+class DiskError(UserError, OSError):
+    """The disk refused a write or read (full, read-only, permission, I/O error); the message names the path. What
+    was written before it (checkpoints, metrics lines) is intact."""
+
+    kind = "disk error"
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def disk_error(e: BaseException) -> DiskError | None:
+    """``e`` as a :class:`DiskError` when it is the disk's refusal (an ``OSError`` of :data:`DISK_ERRNOS`, or
+    safetensors' error wrapping one: ``... (os error 28) at path "..."``), else None."""
+    if isinstance(e, DiskError):
+        return e
+    code, path, why = getattr(e, "errno", None), getattr(e, "filename", None), getattr(e, "strerror", None)
+    if type(e).__name__ == "SafetensorError":
+        m = _re.search(r"I/O error: (.*?) \(os error (\d+)\)(?: at path \"(.*?)\")?", str(e))
+        if m is None:
+            return None
+        why, code, path = m.group(1), int(m.group(2)), m.group(3)
+    elif not isinstance(e, OSError):
+        return None
+    if code not in DISK_ERRNOS:
+        return None
+    out = DiskError(code, f"{path or 'a file'}: {why or 'refused'} ({_DISK_HINTS[code]})")
+    out.advice = getattr(e, "advice", None)
+    return out
 
 
 class RunWarning(UserWarning):

@@ -102,3 +102,52 @@ def test_credentials_in_a_teacher_url_are_refused_and_never_echoed(tmp_path, cap
         assert "s3cret" not in out + err and "tok3n" not in out + err  # was: echoed, and written into config.yaml
         assert "credentials in a URL (http" in err and "***@127.0.0.1" in err and "teacher.token_file" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from opdistill.train.disk import logger as logger_mod
+
+    log = logger_mod.RunLogger(tmp_path, tensorboard=False, progress=False)
+    log.log(1, {"a": 1.0})
+    whole = (tmp_path / "metrics.jsonl").read_bytes()
+    real = os.write
+
+    def half(fd, data):  # the disk fills half-way through the line
+        return real(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(logger_mod.os, "write", half)
+    with pytest.raises(OSError) as e:
+        log.log(2, {"a": 2.0})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "metrics.jsonl")
+    monkeypatch.setattr(logger_mod.os, "write", real)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == whole  # was: half a line left at the end
+    log.close()
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_what_was_written(tmp_path, capsys, monkeypatch):
+    import safetensors
+    import safetensors.torch
+
+    cfg = tiny_config_dict(tmp_path, steps=3, checkpoint={"every": 1})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    real, calls = safetensors.torch.save_file, []
+
+    def full(tensors, filename, *a, **k):  # the third save finds the disk full
+        calls.append(filename)
+        if len(calls) >= 3:
+            raise safetensors.SafetensorError(f'Error while serializing: I/O error: No space left on device (os '
+                                              f'error 28) at path "{filename}"')
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["train", "--config", str(path)]) == 2  # was: a SafetensorError traceback
+    err = _err(capsys)
+    assert err[0].startswith(f"opdistill train: disk error: {tmp_path}/run/checkpoints/") and \
+        err[0].endswith(": No space left on device (free some space)")
+    assert "Traceback" not in "\n".join(err) and "--resume" in err[-1]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step")) == \
+        ["step_00000001", "step_00000002"]

@@ -14,6 +14,7 @@ step, after which the logger is closed, and drained, like at any other end.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -97,12 +98,26 @@ class RunLogger:
             else:
                 self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
 
+    def _cut(self, size: int) -> None:
+        """Truncate metrics.jsonl back to ``size`` bytes: a failed append leaves no part of its line."""
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError:  # the original error is the one to report; a reader drops a torn last line anyway
+            pass
+
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
         line = (json.dumps(row) + "\n").encode()
-        if os.write(self._fd, line) != len(line):  # a short write (disk full): stop rather than leave a torn line
-            raise OSError(f"{self.path}: short write (disk full?)")
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+        except OSError:
+            self._cut(size)
+            raise
+        if written != len(line):  # a short write (disk full): cut it off rather than leave a torn line
+            self._cut(size)
+            raise OSError(errno.ENOSPC, "short write (the disk is full?)", str(self.path))
         if self.tb is not None:
             self.tb.put(step, [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)])
         if self.wandb is not None:
