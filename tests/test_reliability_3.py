@@ -151,3 +151,13 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_what_was_written(
     assert "Traceback" not in "\n".join(err) and "--resume" in err[-1]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step")) == \
         ["step_00000001", "step_00000002"]
+
+
+def test_compare_refuses_a_copy_of_a_run_without_its_config(trained, tmp_path, capsys):
+    run, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "config.yaml").unlink()  # was: compared as a run of its own, every difference 0
+    assert main(["compare", str(run), str(copy)]) == 2
+    assert _err(capsys)[-1] == (f"opdistill compare: error: {copy}: the same metrics.jsonl as {run}, byte for "
+                                f"byte: one run twice (a copy?); give each run once")

@@ -20,6 +20,7 @@ problems (:func:`opdistill.runs.stats.paired_difference`): e.g. on- minus off-po
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -98,8 +99,9 @@ class Group:
 
 def load_runs(run_dirs) -> list[Run]:
     """The runs of ``run_dirs``, each read and checked (CompareError naming the file otherwise); a run given twice
-    (the same folder under two names) is refused: it would count as two seeds."""
-    runs, seen = [], {}
+    (the same folder under two names, or a copy: the same metrics.jsonl, whose timings no two runs share) is
+    refused: it would count as two seeds, or as a difference of 0."""
+    runs, seen, contents = [], {}, {}
     for d in run_dirs:
         path = Path(d)
         if not (path / "metrics.jsonl").is_file():
@@ -108,6 +110,10 @@ def load_runs(run_dirs) -> list[Run]:
         if same is not path:
             raise CompareError(f"{path}: the run is given twice ({same} and {path} are one folder); give each run "
                                f"once (a run counted twice would pass for two seeds)")
+        twin = contents.setdefault(hashlib.sha256((path / "metrics.jsonl").read_bytes()).hexdigest(), path)
+        if twin is not path:
+            raise CompareError(f"{path}: the same metrics.jsonl as {twin}, byte for byte: one run twice (a copy?); "
+                               f"give each run once")
         config = None
         if (path / "config.yaml").is_file():
             config = _read_config(path / "config.yaml")
