@@ -161,3 +161,28 @@ def test_compare_refuses_a_copy_of_a_run_without_its_config(trained, tmp_path, c
     assert main(["compare", str(run), str(copy)]) == 2
     assert _err(capsys)[-1] == (f"opdistill compare: error: {copy}: the same metrics.jsonl as {run}, byte for "
                                 f"byte: one run twice (a copy?); give each run once")
+
+
+def test_a_chat_template_that_raises_is_one_line(tmp_path, capsys):
+    from opdistill.data import render_prompt
+    from opdistill.errors import ModelError
+    from opdistill.models import char_tokenizer
+    from opdistill.xtok.tokens import check_chat_templates
+    from tests.trainer_helpers import make_model_dir
+
+    raising = "{{ raise_exception('this template takes no user turn') }}"
+    tok = char_tokenizer("0123456789+=", chat_template=raising)
+    with pytest.raises(ModelError, match=r"^the chat template of .* failed: TemplateError: this template takes no "
+                                         r"user turn$"):
+        render_prompt(tok, "1+1=")  # was: jinja2's TemplateError traceback
+    plain = char_tokenizer("0123456789+=", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ModelError, match=r"failed: TemplateError: this template takes no user turn$"):
+        check_chat_templates(plain, tok)
+    cfg = tiny_config_dict(tmp_path)
+    cfg["model"]["student"] = make_model_dir(tmp_path / "raising", hidden=16, seed=2, chat_template=raising)
+    cfg["model"]["teacher"] = None
+    cfg["train"]["method"] = "rl"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["check", "--config", str(path)]) == 2
+    assert _err(capsys)[-1].endswith("failed: TemplateError: this template takes no user turn")

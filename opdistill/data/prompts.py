@@ -29,6 +29,7 @@ import warnings
 from opdistill.data.answers import match_answer
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
+from opdistill.xtok.tokens import template_error
 
 __all__ = ["PromptSource", "DatasetTask", "InMemoryRows", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
            "warn_unknown_chars"]
@@ -50,9 +51,12 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[in
                           "tokenizer's chat template, " + ("which this tokenizer does not have; use plain-string "
                           "prompts" if not has_template else "so it must be true"))
     if use_chat_template and has_template:
-        ids = tokenizer.apply_chat_template(
-            list(text) if messages else [{"role": "user", "content": text}], add_generation_prompt=True,
-            tokenize=True, return_dict=False)
+        try:
+            ids = tokenizer.apply_chat_template(
+                list(text) if messages else [{"role": "user", "content": text}], add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+        except Exception as e:  # noqa: BLE001 -- the template is the model folder's code: its failure in one line
+            raise template_error(tokenizer, e) from None
         if hasattr(ids, "keys"):  # some versions return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from opdistill.errors import ConfigError, IncompatibleModelsError
+from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
 __all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates", "sentinel",
            "EOS_SENTINEL"]
@@ -188,8 +188,19 @@ _PROBE = [{"role": "user", "content": "What is 12 + 30?"}]
 _PROBE_ANSWER = "  12 + 30 = 42.\nSo the answer is 42  "
 
 
+def template_error(tokenizer, e: Exception) -> ModelError:
+    """A chat template that raised (its ``raise_exception``, a jinja error, a type error in its code), as one line
+    naming the tokenizer."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else "(no message)"
+    return ModelError(f"the chat template of {name} failed: {type(e).__name__}: {text}")
+
+
 def _rendered(tokenizer, messages, generation: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    except Exception as e:  # noqa: BLE001 -- the template is the model folder's code: its failure in one line
+        raise template_error(tokenizer, e) from None
 
 
 def check_chat_templates(student_tok, teacher_tok, *, key: str = "model.teacher") -> None:
