@@ -65,7 +65,8 @@ from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
 from opdistill.teachers.build import server_teacher
 from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.http import read_token_file
-from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
+from opdistill.teachers.fingerprint import (ANSWER_IDENTITY_FIELDS, teacher_fingerprint,
+                                            teacher_fingerprint_from_folder, tokenizer_fingerprint)
 from opdistill.teachers.wire import (HIDDEN_DTYPES, MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_head, encode_result,
                                      engine_refusal, head_sha256, parse_accept, to_wire)
 
@@ -169,7 +170,10 @@ class TeacherService:
                      **head_info, "vocab_size": self.vocab_size, "max_k": self.max_k,
                      "max_requested_ids": max_requested_ids,
                      "fixed_temperature": limits["fixed_temperature"], "padding": limits["padding"],
-                     "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"]}
+                     "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"],
+                     "answer_identity": list(ANSWER_IDENTITY_FIELDS)}
+        # every answer carries these (ScoreResult.teacher): a client checks each against the /info it accepted
+        self.identity = {f: self.info[f] for f in ANSWER_IDENTITY_FIELDS}
 
 
 def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
@@ -483,7 +487,7 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
         except Exception as e:  # noqa: BLE001
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {' '.join(str(e).split())}"},
                                 status_code=500)
-        result.model = svc.model_id
+        result.model, result.teacher = svc.model_id, svc.identity
         refused = result_refusal(result, parsed, svc.vocab_size)
         if refused is not None:  # never send what the client would refuse (a NaN is not even JSON)
             return JSONResponse({"detail": refused[1]}, status_code=refused[0])
