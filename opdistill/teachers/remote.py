@@ -4,7 +4,10 @@ It sends the padded rows as they are and reads the answer at the scored position
 with the fp32 (or JSON) payload it returns the in-process teacher's scores bit for bit. At start
 (:meth:`RemoteTeacher.check_student`) the server's ``/info`` is checked against the student's tokenizer (the teacher
 cache's fingerprint: vocabulary, special tokens, chat template) and lm_head width, and refused with a diff. Every
-answer is checked by a teacher cache file's rules before it is read (``opdistill.teachers.answers``). What the
+answer is checked by a teacher cache file's rules before it is read (``opdistill.teachers.answers``), and against
+the ``/info`` accepted at start: its teacher identity and ``model`` (:class:`~opdistill.teachers.http.TeacherChanged`
+otherwise), its hidden states' width and dtype; ``/info``, the lm_head and a served tokenizer's files are checked by
+type, range and shape before use (:func:`info_problem`, :func:`head_problem`, :func:`tokenizer_files_problem`). What the
 server's engine cannot answer (its limits in ``/info``) is refused before a request is sent
 (:func:`~opdistill.teachers.wire.engine_refusal`). Rows above the server's per-request token limit go in several
 requests.

@@ -28,6 +28,10 @@ and what an engine can answer (:func:`engine_refusal`).
   of the tail losses is then the teacher's (its log to float16 precision) however small it is -- rounding the
   values alone moves a 1e-6 tail by orders of magnitude -- and a top-k mass is never above 1. The shift is below
   the row's largest rounding error, so a decoded top-k log-prob is within twice the bounds above.
+- Every answer's header also holds ``model`` and ``teacher`` (the teacher's identity: the ``answer_identity`` fields
+  of the server's ``/info``), which the client checks against the ``/info`` it accepted. :func:`decode_result`
+  checks every header field by type and range and every array by the dtypes its name and the codec allow (ids in an
+  integer dtype, hidden states in the dtype their label states), raising ValueError naming the field.
 - What the server's engine can answer is in its ``/info`` (``engine``, ``max_k``, ``max_requested_ids``,
   ``fixed_temperature``, ``padding``, ``max_model_len``: a ``--engine vllm`` server scores at temperature 1 only,
   no requested ids, right-padded rows only). :func:`engine_refusal` is the one rule: the server answers 422 with its
