@@ -518,8 +518,10 @@ def broken(teacher_service):
                        k=body["k"], temperature=body["temperature"])
         media, codec = parse_accept(request.headers.get("accept"))
         r = _defective(r, BROKEN["defect"])
+        r.model, r.teacher = svc.model_id, svc.identity  # our server's identity: the defect is in the scores only
         if media == MEDIA_JSON:  # written as json.dumps writes NaN/inf (not JSON, but Python reads it back)
-            payload = json.dumps({"model": "x", "temperature": r.temperature, "num_positions": len(r.next_logprobs),
+            payload = json.dumps({"model": r.model, "teacher": r.teacher, "temperature": r.temperature,
+                                  "num_positions": len(r.next_logprobs),
                                   "k": r.topk_ids.shape[1], "next_logprobs": _json_floats(r.next_logprobs),
                                   "topk_ids": r.topk_ids.tolist(), "topk_logprobs": _json_floats(r.topk_logprobs)})
             return Response(payload.encode(), media_type=MEDIA_JSON)

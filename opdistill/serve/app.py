@@ -20,7 +20,8 @@ Design notes
   ``opdistill.teachers.wire``) holds, at each scored position (``response_mask[b, t + 1] == 1``, row-major), the top-K
   ids and log-probs, the next token's log-prob and the log-probs at the requested ids, at the request's temperature
   (echoed), and with ``hidden`` the teacher's final hidden states (H numbers per position: the hidden-state payload of
-  loss_mode full). ``GET /v1/lm_head``: the teacher's output head (safetensors, with its logit scale, soft-cap and
+  loss_mode full). Every answer carries the teacher's identity (``teacher``: the ``answer_identity`` fields of
+  ``/info``) and ``model``, which the client checks on every answer. ``GET /v1/lm_head``: the teacher's output head (safetensors, with its logit scale, soft-cap and
   SHA-256, also in ``/info`` as ``lm_head_sha256``), which turns those hidden states into the teacher's logits.
 - Exactness: the teacher scores the very tensors the client sent through ``Teacher.score``, so a request scored
   alone gets the in-process teacher's numbers bit for bit, requested ids and temperature included (one pass).
@@ -65,7 +66,8 @@ from opdistill.teachers import LocalTeacher, Rows, ScoreRequest, Teacher
 from opdistill.teachers.build import server_teacher
 from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.http import read_token_file
-from opdistill.teachers.fingerprint import teacher_fingerprint, teacher_fingerprint_from_folder, tokenizer_fingerprint
+from opdistill.teachers.fingerprint import (ANSWER_IDENTITY_FIELDS, teacher_fingerprint,
+                                            teacher_fingerprint_from_folder, tokenizer_fingerprint)
 from opdistill.teachers.wire import (HIDDEN_DTYPES, MEDIA_BINARY, MEDIA_JSON, ScoreResult, encode_head, encode_result,
                                      engine_refusal, head_sha256, parse_accept, to_wire)
 
@@ -169,7 +171,10 @@ class TeacherService:
                      **head_info, "vocab_size": self.vocab_size, "max_k": self.max_k,
                      "max_requested_ids": max_requested_ids,
                      "fixed_temperature": limits["fixed_temperature"], "padding": limits["padding"],
-                     "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"]}
+                     "max_model_len": limits["max_model_len"], "dtype": fingerprint["teacher_dtype"],
+                     "answer_identity": list(ANSWER_IDENTITY_FIELDS)}
+        # every answer carries these (ScoreResult.teacher): a client checks each against the /info it accepted
+        self.identity = {f: self.info[f] for f in ANSWER_IDENTITY_FIELDS}
 
 
 def _int_matrix(body: dict, name: str, shape=None) -> torch.Tensor:
@@ -483,7 +488,7 @@ def create_app(svc: TeacherService, *, token: str | None = None, max_batch_token
         except Exception as e:  # noqa: BLE001
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {' '.join(str(e).split())}"},
                                 status_code=500)
-        result.model = svc.model_id
+        result.model, result.teacher = svc.model_id, svc.identity
         refused = result_refusal(result, parsed, svc.vocab_size)
         if refused is not None:  # never send what the client would refuse (a NaN is not even JSON)
             return JSONResponse({"detail": refused[1]}, status_code=refused[0])

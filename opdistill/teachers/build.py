@@ -138,12 +138,12 @@ def connect(cfg, section, key: str, context: TeacherContext) -> Teacher:
                 clients.append(StockVllmTeacher(url, model=section.model, **kw))
             else:
                 clients.append(RemoteTeacher(url, payload=section.payload, hidden_payload=section.hidden_payload, **kw))
+        client = clients[0] if len(clients) == 1 else TeacherPool(clients, probe_s=section.probe_s,
+                                                                  patience_s=section.patience_s, key=key)
     except BaseException:
         for c in clients:
             c.close()
         raise
-    client = clients[0] if len(clients) == 1 else TeacherPool(clients, probe_s=section.probe_s,
-                                                              patience_s=section.patience_s, key=key)
     if cfg.xtok.mode != "off" and cfg.train.method != "rl":
         try:
             return _served_across(cfg, client, clients, key, context)

@@ -17,11 +17,13 @@ import torch
 import opdistill
 
 __all__ = ["teacher_fingerprint", "teacher_fingerprint_from_folder", "tokenizer_fingerprint", "TEACHER_FIELDS",
-           "TOKENIZER_FIELDS", "opdistill_version", "canonical_json", "hash_tensors"]
+           "TOKENIZER_FIELDS", "ANSWER_IDENTITY_FIELDS", "opdistill_version", "canonical_json", "hash_tensors"]
 
 # Provenance fields compared with the current models (the others are recorded for the reader).
 TEACHER_FIELDS = ("teacher_config_sha256", "teacher_weights_sha256", "teacher_dtype", "teacher_vocab_size")
 TOKENIZER_FIELDS = ("tokenizer_sha256", "tokenizer_vocab_size")
+# What every answer of a teacher server carries (its /info's values), checked by the client on every answer.
+ANSWER_IDENTITY_FIELDS = ("teacher_weights_sha256", "teacher_config_sha256", "tokenizer_sha256")
 # Config keys that do not change what a teacher computes: where it was loaded from, by which transformers, in which
 # dtype (recorded separately as teacher_dtype), the KV-cache switch, and transformers' private ("_...") keys.
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache"})

@@ -34,8 +34,8 @@ def worst_case_s(timeout_s: float, retries: int, backoff_s: float) -> float:
     return (retries + 1) * timeout_s + sum(backoff_wait(backoff_s, a) for a in range(1, retries + 1))
 from opdistill.teachers.base import Teacher
 
-__all__ = ["TeacherServiceError", "TeacherUnavailable", "HttpClient", "HttpTeacher", "MAX_BACKOFF_S", "MAX_TOKEN_BYTES",
-           "backoff_wait", "worst_case_s",
+__all__ = ["TeacherServiceError", "TeacherUnavailable", "TeacherChanged", "HttpClient", "HttpTeacher", "MAX_BACKOFF_S",
+           "MAX_TOKEN_BYTES", "backoff_wait", "worst_case_s",
            "read_token_file"]
 
 MAX_TOKEN_BYTES = 64 << 10  # a token file's size
@@ -77,6 +77,17 @@ class TeacherUnavailable(TeacherServiceError):
     pool of servers (``opdistill.teachers.pool``) answers by sending the request to another server. A refusal (4xx)
     or a malformed or invalid answer is a :class:`TeacherServiceError` and is never retried elsewhere. ``reason``:
     what failed without the advice to the user (a pool, which goes on without the server, says only that)."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
+
+
+class TeacherChanged(TeacherServiceError):
+    """A server answered as another teacher than the one accepted at start (an answer's teacher identity or
+    ``model`` differs from its ``/info`` then): the answer is refused. A pool takes the server out as it does an
+    unavailable one (and probes it back in only as the pool's teacher); a single server stops the run. ``reason``:
+    what differs, without the advice to the user."""
 
     def __init__(self, message: str, *, reason: str | None = None):
         super().__init__(message)

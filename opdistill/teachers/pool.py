@@ -18,7 +18,13 @@
   (:class:`~opdistill.teachers.http.TeacherUnavailable`: connection refused, deadlines, 5xx) is sent to another
   healthy server and the failed one is marked down; a down server is probed (one try of its ``/info`` or
   ``/v1/models``) every ``probe_s`` seconds, in the background, and comes back once it answers as the same teacher.
+  A server whose answer comes from another teacher than the pool's
+  (:class:`~opdistill.teachers.http.TeacherChanged`: its identity or ``model`` differs from its ``/info`` at start)
+  is taken out the same way, its warning naming what differs; it is probed back in only as the pool's teacher.
   A refusal (4xx) or an invalid answer is not a failure of availability: it stops the run as with one server.
+- **Each server once.** The entries are resolved at construction (scheme, resolved IP address, port):
+  two entries that reach one server (127.0.0.1, localhost and 127.1 on one port) are refused in one line naming
+  both (:func:`check_distinct`); one server listed twice would merge the pool's blocks into one forward.
 - **Patience.** While every server is down, a block waits, probing them every ``probe_s``, for ``patience_s``
   seconds; then the request fails with one line naming every server (the trainer saves the last completed step).
 - **Metrics** (:meth:`TeacherPool.metrics`, since the last call): per server ``i`` (its place in the list)
@@ -36,14 +42,15 @@ import torch
 
 from opdistill.loss import TeacherScores
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher
-from opdistill.teachers.http import HttpTeacher, TeacherServiceError, TeacherUnavailable
+from opdistill.errors import ConfigError
+from opdistill.teachers.http import HttpTeacher, TeacherChanged, TeacherServiceError, TeacherUnavailable
 
-__all__ = ["TeacherPool", "identity"]
+__all__ = ["TeacherPool", "identity", "server_addresses", "check_distinct"]
 
 log = logging.getLogger(__name__)
 
 #: fields of our server's /info that change while it serves (counters), or that name it rather than its teacher
-_NOT_IDENTITY = frozenset({"requests", "batches", "model"})
+_NOT_IDENTITY = frozenset({"requests", "batches", "model", "answer_identity"})
 
 
 def identity(info: dict) -> dict:
@@ -51,6 +58,38 @@ def identity(info: dict) -> dict:
     if "served" in info:  # a stock vllm serve endpoint: only its served model is known
         return {"served_model": info.get("model")}
     return {k: v for k, v in info.items() if k not in _NOT_IDENTITY}
+
+
+def server_addresses(url: str) -> set[tuple[str, str, int]]:
+    """Where ``url`` connects: ``(scheme, IP address, port)`` for each address its host resolves to (the port by
+    default 80 or 443); a host that does not resolve now stands for itself (it fails when it is asked)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return {(scheme, host, port)}
+    return {(scheme, ipaddress.ip_address(a[4][0].split("%")[0]).compressed, port) for a in infos}
+
+
+def check_distinct(urls: list[str], key: str) -> None:
+    """Refuse (ConfigError, one line naming both entries) two entries of a pool that reach one server: the same
+    scheme and port and a resolved address in common (127.0.0.1, localhost and 127.1 are one server)."""
+    seen: list[tuple[int, set]] = []
+    for i, url in enumerate(urls):
+        mine = server_addresses(url)
+        for j, other in seen:
+            common = sorted(mine & other)
+            if common:
+                scheme, host, port = common[0]
+                raise ConfigError(f"{key}: entries {j} ({urls[j]}) and {i} ({url}) are one server ({scheme}, "
+                                  f"{host}, port {port}); list each server of a pool once")
+        seen.append((i, mine))
 
 
 class _Server:
@@ -75,6 +114,7 @@ class TeacherPool(Teacher):
                  key: str = "teacher.url"):
         if len(clients) < 2:
             raise ValueError(f"TeacherPool: expected at least 2 servers, got {len(clients)}")
+        check_distinct([c.url for c in clients], key)
         self.servers = [_Server(c) for c in clients]
         self.probe_s, self.patience_s, self.key = float(probe_s), float(patience_s), key
         self.background = clients[0].background
@@ -183,7 +223,7 @@ class TeacherPool(Teacher):
                 self._probe_due()  # the lock is reentrant; the probes take it once this thread waits
                 self._lock.wait(min(self.probe_s, self.patience_s - waited, 1.0))
 
-    def _release(self, s: _Server, *, failed: TeacherUnavailable | None = None, seconds: float | None = None,
+    def _release(self, s: _Server, *, failed: TeacherServiceError | None = None, seconds: float | None = None,
                  positions: int = 0) -> None:
         """``s`` is free again: after a failure to answer (taken out), an answer (counted), or neither (an error
         that is not the server's availability: not counted)."""
@@ -212,7 +252,7 @@ class TeacherPool(Teacher):
             t0 = time.perf_counter()
             try:
                 scores = s.client.score(rows, request)
-            except TeacherUnavailable as e:
+            except (TeacherUnavailable, TeacherChanged) as e:  # no answer, or another teacher's: refused
                 self._release(s, failed=e)
                 continue  # to another server
             except BaseException:

@@ -28,6 +28,10 @@ and what an engine can answer (:func:`engine_refusal`).
   of the tail losses is then the teacher's (its log to float16 precision) however small it is -- rounding the
   values alone moves a 1e-6 tail by orders of magnitude -- and a top-k mass is never above 1. The shift is below
   the row's largest rounding error, so a decoded top-k log-prob is within twice the bounds above.
+- Every answer's header also holds ``model`` and ``teacher`` (the teacher's identity: the ``answer_identity`` fields
+  of the server's ``/info``), which the client checks against the ``/info`` it accepted. :func:`decode_result`
+  checks every header field by type and range and every array by the dtypes its name and the codec allow (ids in an
+  integer dtype, hidden states in the dtype their label states), raising ValueError naming the field.
 - What the server's engine can answer is in its ``/info`` (``engine``, ``max_k``, ``max_requested_ids``,
   ``fixed_temperature``, ``padding``, ``max_model_len``: a ``--engine vllm`` server scores at temperature 1 only,
   no requested ids, right-padded rows only). :func:`engine_refusal` is the one rule: the server answers 422 with its
@@ -72,6 +76,7 @@ class ScoreResult:
     model: str = ""
     hidden: np.ndarray | None = None  # [P, H] float32: the teacher's final hidden states (bf16 values with "bf16")
     hidden_dtype: str = "fp32"  # how ``hidden`` travels in the binary payload: fp32 | bf16
+    teacher: dict | None = None  # the answering teacher's identity (``ANSWER_IDENTITY_FIELDS`` of its /info)
 
 
 def parse_accept(accept: str | None) -> tuple[str, str]:
@@ -210,6 +215,8 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
             "k": None if r.topk_ids is None else int(r.topk_ids.shape[1]),
             "num_requested": None if r.requested_logprobs is None else int(r.requested_logprobs.shape[1]),
             "hidden_size": None if r.hidden is None else int(r.hidden.shape[1])}
+    if r.teacher is not None:
+        head["teacher"] = dict(r.teacher)
     if media == MEDIA_JSON:
         body = dict(head)
         if r.hidden is not None:
@@ -264,16 +271,75 @@ def encode_result(r: ScoreResult, *, media: str, codec: str = "fp32", vocab_size
 
 
 _WIRE_DTYPES = {"<u2", "<i4", "<f4", "<f2", "|u1"}
+_LOGPROB_ARRAYS = ("next_logprobs", "topk_logprobs", "requested_logprobs")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(d: dict, name: str):
+    """``d[name]``: an integer >= 0 or None (absent), else ValueError naming the field."""
+    v = d.get(name)
+    if v is not None and not (_is_int(v) and v >= 0):
+        raise ValueError(f"{name}: expected an integer >= 0 or null, got {_short(v)}")
+    return v
+
+
+def _header_fields(d: dict) -> tuple[float, str, dict | None]:
+    """The answer's temperature (a finite number > 0), model (a string) and teacher identity (an object of strings,
+    or absent), every count field checked; ValueError naming the field."""
+    t = d.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"temperature: expected a finite number > 0, got {_short(t)}")
+    model = d.get("model", "")
+    if not isinstance(model, str):
+        raise ValueError(f"model: expected a string, got {_short(model)}")
+    teacher = d.get("teacher")
+    if teacher is not None and not (isinstance(teacher, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in teacher.items())):
+        raise ValueError(f"teacher: expected an object of strings (the teacher's identity), got {_short(teacher)}")
+    for name in ("num_positions", "k", "num_requested", "hidden_size"):
+        _count(d, name)
+    return float(t), model, teacher
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _array_dtypes(name: str, codec: str, hidden_dtype: str) -> set[str] | None:
+    """The wire dtypes array ``name`` may travel in (None: not an array of the answer)."""
+    if name == "topk_ids":
+        return {"<u2", "<i4"}
+    if name == "hidden":
+        return {"<f4"} if hidden_dtype == "fp32" else {"<u2"}
+    if name == "topk_log_tail":
+        return {"<f2"}
+    base, _, part = name.partition(".")
+    if base not in _LOGPROB_ARRAYS:
+        return None
+    if part:  # int8: q, top, step
+        if codec != "int8":
+            return None
+        return {"|u1"} if part == "q" else {"<f2"} if part in ("top", "step") else None
+    if codec == "int8":
+        return {"<f2"} if base == "next_logprobs" else None
+    return {"<f4"} if codec == "fp32" else {"<f2"}
 
 
 def decode_result(body: bytes, media: str) -> ScoreResult:
-    """Parse an answer (either format) back to float32 / int64 arrays. Raises ValueError on anything malformed."""
+    """Parse an answer (either format) back to float32 / int64 arrays. Raises ValueError, naming the field, on
+    anything malformed: every header field checked by type and range, every array by the dtype its name and the
+    stated codec allow (ids integers, hidden states in the dtype their label states)."""
     if media.split(";")[0].strip().lower() == MEDIA_JSON:
         d = json.loads(body)
         if not isinstance(d, dict) or "next_logprobs" not in d:
             raise ValueError("the JSON answer has no 'next_logprobs'")
+        temperature, model, teacher = _header_fields(d)
         ids = _from_json_ints(d["topk_ids"], "topk_ids") if d.get("topk_ids") is not None else None
-        lp = _from_json_floats(d["topk_logprobs"], "topk_logprobs") if ids is not None else None
+        lp = _from_json_floats(d.get("topk_logprobs"), "topk_logprobs") if ids is not None else None
         if ids is not None and ids.size == 0:
             ids = ids.reshape(0, d.get("k") or 0)
             lp = lp.reshape(0, d.get("k") or 0)
@@ -283,43 +349,80 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
             req = req.reshape(0, d.get("num_requested") or 0)
         hid = d.get("hidden")
         if hid is not None:
-            hid = np.array(hid, dtype=np.float32).reshape(-1, d.get("hidden_size") or 0)
+            hid = _from_json_floats(hid, "hidden")
+            if hid.ndim != 2 and hid.size:
+                raise ValueError("hidden: expected one list of numbers per position")
+            hid = hid.reshape(-1, d.get("hidden_size") or 0) if hid.size == 0 else hid
         return ScoreResult(ids, lp, _from_json_floats(d["next_logprobs"], "next_logprobs").reshape(-1), req,
-                           float(d["temperature"]), str(d.get("model", "")), hid)
+                           temperature, model, hid, teacher=teacher)
     if body[:4] != MAGIC or len(body) < 8:
         raise ValueError("not an opdistill-v1 payload (bad magic)")
     (hlen,) = struct.unpack("<I", body[4:8])
     head = json.loads(body[8 : 8 + hlen])
+    if not isinstance(head, dict) or not isinstance(head.get("arrays"), list):
+        raise ValueError("the header is not an object with an 'arrays' list")
+    temperature, model, teacher = _header_fields(head)
+    codec = head.get("logprobs")
+    if codec not in LOGPROB_CODECS:
+        raise ValueError(f"logprobs: expected one of {list(LOGPROB_CODECS)}, got {_short(codec)}")
+    hid_dtype = head.get("hidden_dtype", "fp32")
+    if hid_dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden_dtype {hid_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
     data = memoryview(body)[8 + hlen :]
     arrays = {}
     for e in head["arrays"]:
-        if e["dtype"] not in _WIRE_DTYPES:
-            raise ValueError(f"array {e['name']!r}: dtype {e['dtype']!r} is not a wire dtype")
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise ValueError(f"arrays: an entry is not an object with a name ({_short(e)})")
+        name = e["name"]
+        shape, offset = e.get("shape"), e.get("offset")
+        if not isinstance(shape, list) or len(shape) not in (1, 2) or not all(_is_int(n) and n >= 0 for n in shape):
+            raise ValueError(f"array {name!r}: shape {_short(shape)} is not one or two integers >= 0")
+        if not _is_int(offset) or offset < 0:
+            raise ValueError(f"array {name!r}: offset {_short(offset)} is not an integer >= 0")
+        if e.get("dtype") not in _WIRE_DTYPES:
+            raise ValueError(f"array {name!r}: dtype {_short(e.get('dtype'))} is not a wire dtype")
+        allowed = _array_dtypes(name, codec, hid_dtype)
+        if allowed is None:
+            raise ValueError(f"array {name!r} is not part of a {codec} answer")
+        if e["dtype"] not in allowed:
+            raise ValueError(f"array {name!r}: dtype {e['dtype']!r}, but a {codec} answer"
+                             f"{' with hidden_dtype ' + hid_dtype if name == 'hidden' else ''} sends it as "
+                             f"{' or '.join(sorted(allowed))}")
+        if name in arrays:
+            raise ValueError(f"array {name!r} appears twice")
         dt = np.dtype(e["dtype"])
-        n = int(np.prod(e["shape"], dtype=np.int64)) * dt.itemsize
-        if e["offset"] < 0 or e["offset"] + n > len(data):
-            raise ValueError(f"array {e['name']!r} runs past the end of the payload")
-        arrays[e["name"]] = np.frombuffer(data[e["offset"] : e["offset"] + n], dtype=dt).reshape(e["shape"])
-    codec = head["logprobs"]
+        n = math.prod(shape) * dt.itemsize
+        if offset + n > len(data):
+            raise ValueError(f"array {name!r} runs past the end of the payload")
+        arrays[name] = np.frombuffer(data[offset : offset + n], dtype=dt).reshape(shape)
 
     def get_lp(name):
         if codec == "int8" and name not in arrays:
             if name + ".q" not in arrays:
                 return None
-            return _int8_decode(arrays[name + ".q"], arrays[name + ".top"], arrays[name + ".step"])
+            q, top, step = (arrays.get(name + p) for p in (".q", ".top", ".step"))
+            if q.ndim != 2 or top is None or step is None or top.shape != (q.shape[0],) or step.shape != top.shape:
+                raise ValueError(f"array {name!r}: int8 needs .q [P, K] with .top and .step of shape [P]")
+            return _int8_decode(q, top, step)
         return arrays[name].astype(np.float32) if name in arrays else None
 
+    if "next_logprobs" not in arrays:
+        raise ValueError("the answer has no 'next_logprobs'")
+    for name in ("topk_ids", "hidden"):
+        if name in arrays and arrays[name].ndim != 2:
+            raise ValueError(f"array {name!r}: shape {list(arrays[name].shape)}, expected [P, width]")
     ids = arrays["topk_ids"].astype(np.int64) if "topk_ids" in arrays else None
     topk_lp = get_lp("topk_logprobs")
     if topk_lp is not None and "topk_log_tail" in arrays:
-        topk_lp = _restore_mass(topk_lp, arrays["topk_log_tail"].astype(np.float64))
-    hid, hid_dtype = arrays.get("hidden"), head.get("hidden_dtype", "fp32")
+        tail = arrays["topk_log_tail"]
+        if topk_lp.ndim != 2 or tail.shape != (topk_lp.shape[0],):
+            raise ValueError(f"array 'topk_log_tail': shape {list(tail.shape)}, expected [{topk_lp.shape[0]}]")
+        topk_lp = _restore_mass(topk_lp, tail.astype(np.float64))
+    hid = arrays.get("hidden")
     if hid is not None:
-        if hid_dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"hidden_dtype {hid_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
         hid = hid.astype(np.float32) if hid_dtype == "fp32" else _from_bf16_bits(hid)
     return ScoreResult(ids, topk_lp, get_lp("next_logprobs").reshape(-1), get_lp("requested_logprobs"),
-                       float(head["temperature"]), str(head.get("model", "")), hid, hid_dtype)
+                       temperature, model, hid, hid_dtype, teacher)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

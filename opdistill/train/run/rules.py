@@ -479,15 +479,28 @@ def no_credentials(url, key: str) -> None:
 
 
 def check_urls(url, key: str) -> None:
-    """``url``: one http(s)://host:port, or a list of at least one, each once (a pool of servers)."""
+    """``url``: one http(s)://host:port (a host, and a port in [1, 65535]), or a list of at least
+    one, each once (a pool of servers; aliases of one server are refused when the pool is built: that needs name
+    resolution)."""
+    from urllib.parse import urlsplit
+
     if url is None:
         return
     urls = [url] if isinstance(url, str) else url
     if not urls:
         raise ConfigError(f"{key}: expected http://host:port or a list of them, got []")
     for u in urls:
-        if not re.match(r"^https?://[^\s/]+", u):
+        if not isinstance(u, str) or not re.match(r"^https?://[^\s/]+", u):
             raise ConfigError(f"{key}: expected http://host:port or https://host:port, got {quote(u)}")
+        try:  # a port out of range, an unclosed [IPv6 address]: urlsplit raises ValueError
+            parts = urlsplit(u)
+            parts.port  # noqa: B018 -- parsed (and range-checked) here
+        except ValueError as e:
+            raise ConfigError(f"{key}: {quote(u)} is not a valid URL ({e}); expected http://host:port") from None
+        if not parts.hostname:
+            raise ConfigError(f"{key}: {quote(u)} names no host; expected http://host:port")
+        if parts.port == 0:
+            raise ConfigError(f"{key}: {quote(u)}: port 0 is not a server's port; expected one in [1, 65535]")
     twice = sorted({u.rstrip("/") for u in urls if sum(v.rstrip("/") == u.rstrip("/") for v in urls) > 1})
     if twice:
         raise ConfigError(f"{key}: lists {quote(twice[0])} twice; each server of a pool once")
