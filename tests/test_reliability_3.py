@@ -186,3 +186,69 @@ def test_a_chat_template_that_raises_is_one_line(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["check", "--config", str(path)]) == 2
     assert _err(capsys)[-1].endswith("failed: TemplateError: this template takes no user turn")
+
+
+def test_closing_a_pool_stops_its_waiting_blocks_at_once(caplog):
+    """A second Ctrl-C while every server of a pool is down: the stack closes the pool, whose waiting blocks gave up
+    only after teacher.patience_s (37 s in the probe) with an error line per probe of a closed client."""
+    import logging
+    import threading
+    import time
+
+    from opdistill.teachers import TeacherPool
+    from opdistill.teachers.http import TeacherUnavailable
+    from tests.test_teacher_pool import REQ, StandIn, _rows
+
+    clients = [StandIn(i, None) for i in range(2)]
+    pool = TeacherPool(clients, probe_s=0.05, patience_s=60)
+    pool.check_student(None)
+    for c in clients:
+        c.down = True
+    got = []
+
+    def score():
+        try:
+            pool.score(_rows(), REQ)
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    worker = threading.Thread(target=score)
+    with caplog.at_level(logging.ERROR, logger="opdistill"):
+        worker.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        pool.close()
+        worker.join(10)
+    assert not worker.is_alive() and time.monotonic() - t0 < 5  # was: the whole patience (60 s)
+    assert isinstance(got[0], TeacherUnavailable) and "the pool is closed" in str(got[0])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_closing_a_client_cancels_its_request_in_flight():
+    import socket
+    import threading
+    import time
+
+    from opdistill.teachers.http import HttpClient, TeacherUnavailable
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel's backlog), never answers
+    client = HttpClient(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=60, retries=5)
+    got = []
+
+    def ask():
+        try:
+            client.request("GET", "/info", "server info")
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    client.close()
+    worker.join(15)
+    silent.close()
+    assert not worker.is_alive() and time.monotonic() - t0 < 12  # was: the 60 s deadline, then 5 retries
+    assert isinstance(got[0], TeacherUnavailable) and "the client is closed (the run is stopping)" in str(got[0])

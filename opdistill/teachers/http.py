@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import threading
 import time
@@ -134,6 +135,7 @@ class HttpClient:
             except ValueError as e:
                 raise TeacherServiceError(f"teacher.token_file={token_file!r}: {e}") from None
             headers["Authorization"] = f"Bearer {token}"
+        self._closing = False  # close() began: no further try
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="opdistill-http")
         self._thread.start()
@@ -182,8 +184,16 @@ class HttpClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(backoff_wait(self.backoff_s, attempt))
+            closed = TeacherUnavailable(f"{self.where()}: {method} {path} ({what}): the client is closed (the run is "
+                                        f"stopping)", reason="closed")
+            if self._closing:  # closed while retrying: no further try
+                raise closed
             try:
                 resp = self._try(method, path, kw)
+            except concurrent.futures.CancelledError:
+                if self._closing:  # close() cancelled it: say so, once
+                    raise closed from None
+                raise
             except (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException):
                 last = (f"no complete answer within {self._timeout_key()}={self.timeout_s:g} s, the deadline of the "
                         f"whole request")
@@ -213,9 +223,18 @@ class HttpClient:
                                  f"continue the run with --resume", reason=reason)
 
     def close(self) -> None:
+        """Cancel the requests in flight (their callers get CancelledError at once, not at their deadline), close
+        the connections and the event loop."""
         if self._loop.is_closed():
             return
+        self._closing = True
+
+        def cancel_all():
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+
         try:
+            self._loop.call_soon_threadsafe(cancel_all)
             asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(10)
         except Exception:  # noqa: BLE001 -- closing: the connections go with the loop anyway
             pass

@@ -123,6 +123,7 @@ class TeacherPool(Teacher):
         self.info: dict | None = None  # the servers' common identity (resume compares it)
         self._check: tuple = ((), {})  # check_student's arguments, reused when a server is probed back in
         self._lock = threading.Condition()
+        self._closed = False  # close(): every waiting block gives up at once, no probe starts
         self._executor = ThreadPoolExecutor(len(clients), thread_name_prefix="opdistill-teacher-pool")
 
     # -- start -----------------------------------------------------------------------------------------------------
@@ -173,6 +174,8 @@ class TeacherPool(Teacher):
         """Probe, in the background, each down server whose time has come (one try)."""
         now = time.monotonic()
         with self._lock:
+            if self._closed:
+                return
             due = [s for s in self.servers if not s.healthy and not s.probing and s.next_probe <= now]
             for s in due:
                 s.probing = True
@@ -187,7 +190,8 @@ class TeacherPool(Teacher):
             error = e
         except Exception as e:  # noqa: BLE001 -- another teacher now: kept out, said once per probe
             error = e
-            log.error("%s", e)
+            if not self._closed:  # a probe the closing cut short is no news
+                log.error("%s", e)
         with self._lock:
             s.probing = False
             if error is None:
@@ -202,6 +206,8 @@ class TeacherPool(Teacher):
         server is busy, wait for one; while none is healthy, wait (probing) up to ``patience_s``, then raise."""
         with self._lock:
             while True:
+                if self._closed:  # the run is stopping (a second Ctrl-C): do not wait out the patience
+                    raise TeacherUnavailable(f"{self.key}: the pool is closed (the run is stopping)")
                 up = [i for i, s in enumerate(self.servers) if s.healthy]
                 n = len(self.servers)
                 idle = sorted((i for i in up if not self.servers[i].busy), key=lambda i: (i - prefer) % n)
@@ -315,6 +321,11 @@ class TeacherPool(Teacher):
         return self  # its url (every server's) and info (their common identity)
 
     def close(self) -> None:
+        """Stop at once: the blocks waiting for a server give up (no patience waited out), no probe starts, the
+        queued blocks are cancelled, each client closed (its requests in flight cancelled)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for s in self.servers:
             s.client.close()
