@@ -428,16 +428,16 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    quiet_transformers()
     # the format, not the printer, is swapped: a caller that records warnings (pytest.warns) still records them
     formatwarning = warnings.formatwarning
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     try:
+        quiet_transformers()  # in here: a Ctrl-C while transformers (and torch) import is one line too
         with console_logging():
             return args.fn(args) or 0
     except (UserError, KeyboardInterrupt) as e:
-        return _failed(args, e)
+        return _failed(args, e, exiting=argv is None)
     except Exception as e:  # a bug: its traceback follows; what the run kept first
         disk = disk_error(e)  # the disk full, read-only, ...: the machine's, not a bug; one line
         if disk is not None:
@@ -449,14 +449,28 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = formatwarning
 
 
-def _failed(args, e) -> int:
+def _exit_on_next_signal(code: int) -> None:
+    """After an interrupt, one more SIGINT/SIGTERM (a Ctrl-C repeated while the process winds down: its threads
+    joined, its files closed) ends the process at once with ``code``, without a traceback from wherever it landed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda *_: os._exit(code))
+
+
+def _failed(args, e, *, exiting: bool = False) -> int:
     """A user error (one line, exit 2) or an interrupt before the loop's handler or a second signal
-    (train/run/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback."""
+    (train/run/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback. ``exiting``: the
+    process ends after this (the command line's own ``main()``): one more signal then ends it at once."""
     if args.debug:
         traceback.print_exc()
     where = f"opdistill {args.command}: {_rank_tag()}"
     advice = getattr(e, "advice", None)
     if isinstance(e, KeyboardInterrupt):
+        if exiting:
+            _exit_on_next_signal(getattr(e, "exit_code", 130))
         print(where + (str(e) or "interrupted") + (f"; {advice}" if advice else ""), file=sys.stderr)
         return getattr(e, "exit_code", 130)
     print(f"{where}{e.kind}: {e}", file=sys.stderr)

@@ -1111,6 +1111,11 @@ def test_compare_refuses_a_copy_of_a_run_as_another_seed(trained, tmp_path, caps
     run, _ = trained
     copy = _copy_run(trained, tmp_path / "copy")  # was: "mean of 2" over one seed
     assert main(["compare", str(run), str(copy), "--out", str(tmp_path / "c.png")]) == 2
+    assert _err(capsys) == [f"opdistill compare: error: {copy}: the same metrics.jsonl as {run}, byte for byte: one "
+                            f"run twice (a copy?); give each run once"]
+    rows = (copy / "metrics.jsonl").read_text().splitlines()  # a re-run of one config and seed: its own timings
+    (copy / "metrics.jsonl").write_text("\n".join(rows[:-1] + [rows[-1].replace('"step"', '"step" ', 1)]) + "\n")
+    assert main(["compare", str(run), str(copy), "--out", str(tmp_path / "c.png")]) == 2
     assert _err(capsys) == [f"opdistill compare: error: {copy}: the same config and train.seed (0) as {run}: one run "
                             f"twice (a copy?); a group's runs must differ by train.seed"]
 
