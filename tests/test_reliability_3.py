@@ -280,3 +280,30 @@ def test_two_interrupts_a_moment_apart_end_in_one_line(tmp_path):
         # default handler back (a shell reports 130 for both)
         assert p.returncode in (130, -signal.SIGINT), (delay, gap, p.returncode, err[-2000:])
         assert "Traceback" not in err and "Exception ignored" not in err, (delay, gap, err[-2000:])
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran longer than 0.5 s"),
+    ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "wrote more than 4194304 characters"),
+])
+def test_a_chat_template_that_loops_or_writes_gigabytes_is_stopped_in_one_line(monkeypatch, template, says):
+    """Was: a template looping over nested (each bounded) ranges never returned; one writing 2 GB aborted the process
+    at 10 GB of memory."""
+    import time
+
+    from opdistill.data import render_prompt
+    from opdistill.errors import ModelError
+    from opdistill.models import char_tokenizer
+    from opdistill.xtok import tokens
+
+    import sys
+
+    monkeypatch.setattr(tokens, "TEMPLATE_SECONDS", 0.5)
+    tok = char_tokenizer("0123456789+=x", chat_template=template)
+    tracing = sys.gettrace()
+    t0 = time.monotonic()
+    with pytest.raises(ModelError) as e:
+        render_prompt(tok, "1+1=")
+    assert time.monotonic() - t0 < 5
+    assert str(e.value).startswith(f"the chat template of ") and says in str(e.value)
+    assert sys.gettrace() is tracing  # the bound's trace function is gone again

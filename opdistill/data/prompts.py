@@ -29,7 +29,7 @@ import warnings
 from opdistill.data.answers import match_answer
 from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
-from opdistill.xtok.tokens import template_error
+from opdistill.xtok.tokens import render_chat
 
 __all__ = ["PromptSource", "DatasetTask", "InMemoryRows", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
            "warn_unknown_chars"]
@@ -51,15 +51,11 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[in
                           "tokenizer's chat template, " + ("which this tokenizer does not have; use plain-string "
                           "prompts" if not has_template else "so it must be true"))
     if use_chat_template and has_template:
-        try:
-            ids = tokenizer.apply_chat_template(
-                list(text) if messages else [{"role": "user", "content": text}], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
-        except Exception as e:  # noqa: BLE001 -- the template is the model folder's code: its failure in one line
-            raise template_error(tokenizer, e) from None
-        if hasattr(ids, "keys"):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        # the template's text, bounded (a template that loops or writes gigabytes is one line), then its ids: what
+        # apply_chat_template(tokenize=True) returns (it tokenizes its text without adding special tokens)
+        chat = render_chat(tokenizer, list(text) if messages else [{"role": "user", "content": text}],
+                           add_generation_prompt=True)
+        return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 

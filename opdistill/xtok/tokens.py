@@ -26,11 +26,14 @@ import difflib
 import hashlib
 import json
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 
 from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
-__all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates", "sentinel",
+__all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates", "render_chat",
+           "template_error", "sentinel",
            "EOS_SENTINEL"]
 
 
@@ -191,16 +194,64 @@ _PROBE_ANSWER = "  12 + 30 = 42.\nSo the answer is 42  "
 def template_error(tokenizer, e: Exception) -> ModelError:
     """A chat template that raised (its ``raise_exception``, a jinja error, a type error in its code), as one line
     naming the tokenizer."""
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     text = str(e).strip().splitlines()[0][:200] if str(e).strip() else "(no message)"
-    return ModelError(f"the chat template of {name} failed: {type(e).__name__}: {text}")
+    return ModelError(f"the chat template of {_name(tokenizer)} failed: {type(e).__name__}: {text}")
+
+
+TEMPLATE_SECONDS = 10.0  # the longest a chat template may take to render one conversation
+TEMPLATE_MAX_CHARS = 4 << 20  # the most text it may write for one
+
+
+class _TemplateOverrun(Exception):
+    pass
+
+
+def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool) -> str:
+    """The text ``tokenizer``'s chat template writes for ``messages``, bounded: a template (the model folder's code,
+    run in transformers' jinja sandbox) that raises, runs past :data:`TEMPLATE_SECONDS` (a loop) or writes more than
+    :data:`TEMPLATE_MAX_CHARS` is a one-line :class:`ModelError`, stopped where it is. The bounds are checked by a
+    trace function on the template's own compiled code only (jinja's ``<template>`` frames: every line, every piece
+    of text it yields), so the rest of the program runs untraced."""
+    deadline, written = time.monotonic() + TEMPLATE_SECONDS, [0]
+
+    def in_template(frame, event, arg):
+        if event == "return" and isinstance(arg, str):  # a piece of output (a generator's yield)
+            written[0] += len(arg)
+            if written[0] > TEMPLATE_MAX_CHARS:
+                raise _TemplateOverrun(f"wrote more than {TEMPLATE_MAX_CHARS} characters")
+        if time.monotonic() > deadline:
+            raise _TemplateOverrun(f"ran longer than {TEMPLATE_SECONDS:g} s")
+        return in_template
+
+    def on_call(frame, event, arg):
+        if frame.f_code.co_filename == "<template>":
+            return in_template(frame, event, arg)
+        return None  # no line events elsewhere
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except _TemplateOverrun as e:
+        raise ModelError(f"the chat template of {_name(tokenizer)} {e} rendering a conversation of {len(messages)} "
+                         f"message(s); a chat template is a few lines of formatting (a loop in it?)") from None
+    except Exception as e:  # noqa: BLE001 -- the template is the model folder's code: its failure in one line
+        raise template_error(tokenizer, e) from None
+    finally:
+        sys.settrace(previous)
+    if not isinstance(text, str) or len(text) > TEMPLATE_MAX_CHARS:
+        raise ModelError(f"the chat template of {_name(tokenizer)} wrote "
+                         f"{len(text) if isinstance(text, str) else type(text).__name__} characters for a conversation "
+                         f"of {len(messages)} message(s), more than {TEMPLATE_MAX_CHARS}")
+    return text
+
+
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
 
 def _rendered(tokenizer, messages, generation: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
-    except Exception as e:  # noqa: BLE001 -- the template is the model folder's code: its failure in one line
-        raise template_error(tokenizer, e) from None
+    return render_chat(tokenizer, messages, add_generation_prompt=generation)
 
 
 def check_chat_templates(student_tok, teacher_tok, *, key: str = "model.teacher") -> None:
