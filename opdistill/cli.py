@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command. A user error (:class:`opdistill.errors.UserError`: a config key, a data file, a model folder)
     prints one line and returns 2; ``--debug`` adds its traceback. An interrupt (Ctrl-C, SIGTERM) outside the
     training loop's own handling prints one line and returns 128 + the signal. Any other exception is a bug and
-    propagates. No command: the help, status 0."""
+    propagates. No command: the help, status 0. ``argv`` None (the process's own command line, which ends when this
+    returns): once the command is over, a signal ends the process at once (no traceback from an exit handler)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
@@ -428,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if argv is None:  # the process's own command line: a second Ctrl-C ends it at once (_first_interrupt)
+        _on_signals(_first_interrupt)
     # the format, not the printer, is swapped: a caller that records warnings (pytest.warns) still records them
     formatwarning = warnings.formatwarning
     if not args.debug:
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         with console_logging():
             return args.fn(args) or 0
     except (UserError, KeyboardInterrupt) as e:
-        return _failed(args, e, exiting=argv is None)
+        return _failed(args, e)
     except Exception as e:  # a bug: its traceback follows; what the run kept first
         disk = disk_error(e)  # the disk full, read-only, ...: the machine's, not a bug; one line
         if disk is not None:
@@ -447,30 +450,42 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         warnings.formatwarning = formatwarning
+        if argv is None:  # the command is over: a signal while the process winds down (its threads joined, its
+            _on_signals(_exit_now)  # exit handlers run) ends it at once, without a traceback from where it landed
 
 
-def _exit_on_next_signal(code: int) -> None:
-    """After an interrupt, one more SIGINT/SIGTERM (a Ctrl-C repeated while the process winds down: its threads
-    joined, its files closed) ends the process at once with ``code``, without a traceback from wherever it landed."""
+def _exit_now(signum, frame) -> None:
+    os._exit(128 + signum)
+
+
+def _first_interrupt(signum, frame) -> None:
+    """SIGINT/SIGTERM before or after the training loop's own handling (train/run/interrupt.py): a
+    KeyboardInterrupt (one line, :func:`_failed`), and from now on the next signal ends the process at once."""
+    import signal
+
+    _on_signals(_exit_now)
+    e = KeyboardInterrupt(f"interrupted by {signal.Signals(signum).name}" if signum != signal.SIGINT else "")
+    e.exit_code = 128 + signum
+    raise e
+
+
+def _on_signals(handler) -> None:
     import signal
     import threading
 
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, lambda *_: os._exit(code))
+            signal.signal(s, handler)
 
 
-def _failed(args, e, *, exiting: bool = False) -> int:
+def _failed(args, e) -> int:
     """A user error (one line, exit 2) or an interrupt before the loop's handler or a second signal
-    (train/run/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback. ``exiting``: the
-    process ends after this (the command line's own ``main()``): one more signal then ends it at once."""
+    (train/run/interrupt.py: one line, exit 128 + the signal); ``--debug`` adds the traceback."""
     if args.debug:
         traceback.print_exc()
     where = f"opdistill {args.command}: {_rank_tag()}"
     advice = getattr(e, "advice", None)
     if isinstance(e, KeyboardInterrupt):
-        if exiting:
-            _exit_on_next_signal(getattr(e, "exit_code", 130))
         print(where + (str(e) or "interrupted") + (f"; {advice}" if advice else ""), file=sys.stderr)
         return getattr(e, "exit_code", 130)
     print(f"{where}{e.kind}: {e}", file=sys.stderr)

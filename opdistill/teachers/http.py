@@ -229,13 +229,16 @@ class HttpClient:
             return
         self._closing = True
 
-        def cancel_all():
-            for task in asyncio.all_tasks(self._loop):
+        async def cancel_and_close():  # on the loop: every request cancelled and finished, then the connections
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+            await self._client.aclose()
 
         try:
-            self._loop.call_soon_threadsafe(cancel_all)
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(cancel_and_close(), self._loop).result(10)
         except Exception:  # noqa: BLE001 -- closing: the connections go with the loop anyway
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
