@@ -308,5 +308,5 @@ def test_a_chat_template_that_loops_or_writes_gigabytes_is_stopped_in_one_line(m
     with pytest.raises(ModelError) as e:
         render_prompt(tok, "1+1=")
     assert time.monotonic() - t0 < 5
-    assert str(e.value).startswith(f"the chat template of ") and says in str(e.value)
+    assert str(e.value).startswith("the chat template of ") and says in str(e.value)
     assert sys.gettrace() is tracing  # the bound's trace function is gone again

@@ -25,7 +25,7 @@ from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import TeacherService, create_app, score_rows  # noqa: E402
 from opdistill.teachers import LocalTeacher, RemoteTeacher, Rows, ScoreRequest, TeacherPool  # noqa: E402
 from opdistill.teachers.http import TeacherServiceError  # noqa: E402
-from opdistill.teachers.wire import MAGIC, encode_head, encode_result  # noqa: E402
+from opdistill.teachers.wire import MAGIC, encode_head  # noqa: E402
 from opdistill.train import load_config  # noqa: E402
 from tests.server_helpers import free_port  # noqa: E402
 from tests.trainer_helpers import make_model_dir, tiny_config_dict  # noqa: E402
@@ -75,7 +75,7 @@ def _one_line(msg: str):
     assert "\n" not in msg and "Traceback" not in msg, msg
 
 
-# -- 1. identity on every answer ----------------------------------------------------------------------------------------
+# -- 1. identity on every answer ---------------------------------------------------------------------------------------
 def test_a_server_restarted_with_another_teacher_is_refused_on_its_next_answer(models):
     teacher, other, tok = models
     port = free_port()
@@ -222,7 +222,7 @@ def test_a_malformed_teacher_url_is_one_config_line(url):
         assert url in str(e.value)
 
 
-# -- a stand-in server answering what a test sets -----------------------------------------------------------------------
+# -- a stand-in server answering what a test sets ----------------------------------------------------------------------
 def stand_in_app(state: dict):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -302,7 +302,7 @@ def _lp(r):
             ("topk_logprobs", r.topk_logprobs.astype("<f4"))]
 
 
-# -- 3. every field of every answer validated by type and range ---------------------------------------------------------
+# -- 3. every field of every answer validated by type and range --------------------------------------------------------
 def test_ids_sent_as_floats_are_refused_both_ways(models, live, stand_in):
     import httpx
 
@@ -372,7 +372,7 @@ def test_an_answer_of_the_wrong_k_says_k(models, stand_in):
                             f"(field topk_ids), asked K=4")
 
 
-# -- 4. hidden states and heads validated against /info -----------------------------------------------------------------
+# -- 4. hidden states and heads validated against /info ----------------------------------------------------------------
 def _hidden_answer(state, svc, hidden_array, label="fp32"):
     def change(r, h):
         return {**h, "hidden_dtype": label, "hidden_size": int(hidden_array(r).shape[1])}, \
@@ -446,7 +446,7 @@ def test_a_head_that_breaks_info_is_refused(models, stand_in, case):
     assert want in msg, msg
 
 
-# -- 5. tokenizer files from a server -----------------------------------------------------------------------------------
+# -- 5. tokenizer files from a server ----------------------------------------------------------------------------------
 def _tokenizer_files(tok):
     from opdistill.serve.app import tokenizer_payload
 

@@ -8,5 +8,6 @@ from opdistill.data.tasks import (CARRY_ADD_CHARS, CarryAdditionTask, GsmSymboli
                                    ReasoningGymTask, Task, make_task)
 
 __all__ = ["CARRY_ADD_CHARS", "CarryAdditionTask", "DatasetTask", "GsmSymbolicTask", "MixedTask", "Problem",
-           "PromptSource", "ReasoningGymTask", "Rewards", "Task", "extract_answer", "make_task", "match_answer", "prompt_text",
-           "render_prompt", "render_prompts", "split_held_out", "TeacherPrompt", "question_of", "reads_rows"]
+           "PromptSource", "ReasoningGymTask", "Rewards", "Task", "extract_answer", "make_task", "match_answer",
+           "prompt_text", "render_prompt", "render_prompts", "split_held_out", "TeacherPrompt", "question_of",
+           "reads_rows"]

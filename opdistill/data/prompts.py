@@ -31,7 +31,8 @@ from opdistill.data.tasks import Problem, Task
 from opdistill.errors import ConfigError, DataError
 from opdistill.xtok.tokens import render_chat
 
-__all__ = ["PromptSource", "DatasetTask", "InMemoryRows", "render_prompt", "render_prompts", "prompt_text", "split_held_out", "truncate_prompt",
+__all__ = ["PromptSource", "DatasetTask", "InMemoryRows", "render_prompt", "render_prompts", "prompt_text",
+           "split_held_out", "truncate_prompt",
            "warn_unknown_chars"]
 
 

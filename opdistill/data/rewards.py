@@ -22,8 +22,8 @@ Checked when a run starts, before any model loads (and by ``opdistill check``), 
 entry: the module imports, the name is a
 callable, every parameter without a default is one of the keywords above, none is positional-only. Checked at every
 call: the result holds one finite real number per completion (a list, tuple or 1-D tensor/array; a bool counts as
-0/1, as do numpy and torch scalars). A function that raises is called again one row at a time to name the row that fails; the error
-(:class:`~opdistill.errors.RewardError`) names the function, the step and the row.
+0/1, as do numpy and torch scalars). A function that raises is called again one row at a time to name the row that
+fails; the error (:class:`~opdistill.errors.RewardError`) names the function, the step and the row.
 
 In Python a dict ``{name: function or spec}`` names them (two lambdas need names). A row's reward is
 ``sum_i weights[i] * r_i``; it is what RL (``train.method: rl``), ``loss.use_task_rewards`` and

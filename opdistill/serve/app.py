@@ -21,8 +21,9 @@ Design notes
   ids and log-probs, the next token's log-prob and the log-probs at the requested ids, at the request's temperature
   (echoed), and with ``hidden`` the teacher's final hidden states (H numbers per position: the hidden-state payload of
   loss_mode full). Every answer carries the teacher's identity (``teacher``: the ``answer_identity`` fields of
-  ``/info``) and ``model``, which the client checks on every answer. ``GET /v1/lm_head``: the teacher's output head (safetensors, with its logit scale, soft-cap and
-  SHA-256, also in ``/info`` as ``lm_head_sha256``), which turns those hidden states into the teacher's logits.
+  ``/info``) and ``model``, which the client checks on every answer. ``GET /v1/lm_head``: the teacher's output head
+  (safetensors, with its logit scale, soft-cap and SHA-256, also in ``/info`` as ``lm_head_sha256``), which turns
+  those hidden states into the teacher's logits.
 - Exactness: the teacher scores the very tensors the client sent through ``Teacher.score``, so a request scored
   alone gets the in-process teacher's numbers bit for bit, requested ids and temperature included (one pass).
 - Batching: requests wait on an asyncio queue; a worker takes the first and merges the waiting ones with the same

@@ -58,7 +58,8 @@ from opdistill.train.disk.wandb_log import open_wandb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Given", "Run", "RunState", "assemble", "check_resume", "check_run", "build_task", "build_context", "build_rewards",
+__all__ = ["Given", "Run", "RunState", "assemble", "check_resume", "check_run", "build_task", "build_context",
+           "build_rewards",
            "load_models", "lr_lambda", "open_teacher_cache"]
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
 
-__all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates", "render_chat",
-           "template_error", "sentinel",
+__all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates",
+           "render_chat", "template_error", "sentinel",
            "EOS_SENTINEL"]
 
 

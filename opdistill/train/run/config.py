@@ -30,7 +30,8 @@ from opdistill.errors import ConfigError, quote
 from opdistill.train.run.rules import check_config
 from opdistill.yaml12 import MAX_CONFIG_BYTES, load_yaml
 
-__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RewardConfig", "RolloutConfig", "OptimConfig", "TrainConfig",
+__all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RewardConfig", "RolloutConfig", "OptimConfig",
+           "TrainConfig",
            "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "ContextConfig",
            "NamedTeacher",
            "RoutingConfig", "TrainerConfig",

@@ -418,8 +418,8 @@ def lora_targets(lora) -> None:
 
 
 RULES = (_model, _data, _rollout, _optim, _context, _urls, _method, _context_rules, _sources, _engines, _full, _union,
-         _xtok, _teacher_engine, _correction, _decode, _teacher_sharded, _reward, _task_rewards, _teachers, _tensor_parallel,
-         _lora)
+         _xtok, _teacher_engine, _correction, _decode, _teacher_sharded, _reward, _task_rewards, _teachers,
+         _tensor_parallel, _lora)
 
 
 def check_config(cfg) -> None:
