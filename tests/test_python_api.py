@@ -182,14 +182,16 @@ def test_per_function_metrics_are_the_means_of_what_each_function_returned(tmp_p
     d = tiny_config_dict(tmp_path, method="rl", steps=3)
     d["model"]["teacher"] = None
     cfg = load_config(base=d)
+    cfg = load_config(base={**d, "reward": {"weights": [0.5, 1.0]}})  # the config's weights weigh rewards=
     run_training(cfg, quiet=True, rewards=[rec, "task"])
     lines = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in lines if "reward/recorder" in r}
     assert sorted(steps) == [1, 2, 3] and [s for s, _ in rec.calls] == [1, 2, 3]
+    assert any(v for _, values in rec.calls for v in values)  # the weight is seen
     for step, values in rec.calls:
         row = steps[step]
         assert row["reward/recorder"] == pytest.approx(sum(values) / len(values), abs=1e-12)
-        assert row["train/reward"] == pytest.approx(row["reward/recorder"] + row["reward/task"], abs=1e-12)
+        assert row["train/reward"] == pytest.approx(0.5 * row["reward/recorder"] + row["reward/task"], abs=1e-12)
 
 
 def test_default_reward_logs_nothing_new(tmp_path):

@@ -365,7 +365,7 @@ def build_rewards(cfg: TrainerConfig, task: Task, given: tuple = ()) -> Rewards:
     if given and cfg.reward.functions:
         raise ConfigError(f"rewards: {len(given)} given in Python and reward.functions={cfg.reward.functions} in the "
                           f"config; name the reward functions in one place")
-    return Rewards(task, given or cfg.reward.functions, cfg.reward.weights if not given else None,
+    return Rewards(task, given or cfg.reward.functions, cfg.reward.weights,  # the weights of either
                    key="rewards" if given else "reward.functions")
 
 
