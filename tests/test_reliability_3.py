@@ -310,3 +310,21 @@ def test_a_chat_template_that_loops_or_writes_gigabytes_is_stopped_in_one_line(m
     assert time.monotonic() - t0 < 5
     assert str(e.value).startswith("the chat template of ") and says in str(e.value)
     assert sys.gettrace() is tracing  # the bound's trace function is gone again
+
+
+def test_pool_aliases_are_loopback_or_literal_addresses_not_names_behind_one_proxy(monkeypatch):
+    """Two names of one proxy's address may be two servers (the proxy routes by name): not refused as aliases,
+    while 127.0.0.1, localhost and 127.1 (this machine) and two spellings of one IP address are."""
+    import socket
+
+    from opdistill.teachers.pool import check_distinct
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, **k: [(2, 1, 6, "", ("10.1.2.3", port))]
+                        if host.endswith("example.com") else real(host, port, **k))
+    check_distinct(["https://a.example.com", "https://b.example.com"], "teacher.url")
+    with pytest.raises(ConfigError, match=r"entries 0 \(http://127.0.0.1:8000\) and 1 \(http://localhost:8000\) "
+                                          r"are one server"):
+        check_distinct(["http://127.0.0.1:8000", "http://localhost:8000"], "teacher.url")
+    with pytest.raises(ConfigError, match=r"are one server \(http, 10.1.2.3, port 80\)"):
+        check_distinct(["http://10.1.2.3", "http://10.1.2.3:80"], "teacher.url")

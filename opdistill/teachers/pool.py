@@ -62,7 +62,10 @@ def identity(info: dict) -> dict:
 
 def server_addresses(url: str) -> set[tuple[str, str, int]]:
     """Where ``url`` connects: ``(scheme, IP address, port)`` for each address its host resolves to (the port by
-    default 80 or 443); a host that does not resolve now stands for itself (it fails when it is asked)."""
+    default 80 or 443), when that address is the server: the host is an IP address, or resolves to this machine
+    (loopback: 127.0.0.1, localhost and 127.1 are one server). A name of another machine stands for itself, as does a
+    host that does not resolve now: names that share an address may be different servers behind one proxy (it
+    routes by name)."""
     import ipaddress
     import socket
     from urllib.parse import urlsplit
@@ -74,7 +77,14 @@ def server_addresses(url: str) -> set[tuple[str, str, int]]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return {(scheme, host, port)}
-    return {(scheme, ipaddress.ip_address(a[4][0].split("%")[0]).compressed, port) for a in infos}
+    addresses = {ipaddress.ip_address(a[4][0].split("%")[0]) for a in infos}
+    try:
+        literal = bool(ipaddress.ip_address(host))
+    except ValueError:
+        literal = False
+    if not literal and not all(a.is_loopback for a in addresses):
+        return {(scheme, host, port)}
+    return {(scheme, a.compressed, port) for a in addresses}
 
 
 def check_distinct(urls: list[str], key: str) -> None:
