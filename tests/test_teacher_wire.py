@@ -6,6 +6,7 @@ teachers, restarted on the same port with another teacher; and a stand-in whose 
 ``/v1/lm_head`` and ``/v1/tokenizer`` answer what each test sets (a broken or hostile server). Expectations come from
 the in-process teacher scoring the same rows, never from the code under test.
 """
+import functools
 import json
 import logging
 import struct
@@ -23,10 +24,11 @@ uvicorn = pytest.importorskip("uvicorn", reason="the serve extra (pip install -e
 from opdistill.errors import ConfigError  # noqa: E402
 from opdistill.models import load_model, load_tokenizer  # noqa: E402
 from opdistill.serve.app import TeacherService, create_app, score_rows  # noqa: E402
-from opdistill.teachers import LocalTeacher, RemoteTeacher, Rows, ScoreRequest, TeacherPool  # noqa: E402
+from opdistill.teachers import LocalTeacher, RemoteTeacher, ScoreRequest, TeacherPool  # noqa: E402
 from opdistill.teachers.http import TeacherServiceError  # noqa: E402
 from opdistill.teachers.wire import MAGIC, encode_head  # noqa: E402
 from opdistill.train import load_config  # noqa: E402
+from tests.test_teacher_pool import _rows as pool_rows  # noqa: E402
 from tests.server_helpers import free_port  # noqa: E402
 from tests.trainer_helpers import make_model_dir, tiny_config_dict  # noqa: E402
 
@@ -61,14 +63,7 @@ def service(path, tok, model_id="the-teacher"):
     return TeacherService(LocalTeacher(load_model(path)), tok, model_id=model_id, max_k=8)
 
 
-def _rows(B=4, S=10, V=10, seed=0):  # V: below the tiny models' vocabulary
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, S), generator=g)
-    am = torch.ones(B, S, dtype=torch.long)
-    am[1, S - 3:] = 0
-    rm = torch.zeros(B, S, dtype=torch.long)
-    rm[:, 4:] = 1
-    return Rows(ids, am, rm * am)
+_rows = functools.partial(pool_rows, 4)  # 4 rows of the pool tests' kind
 
 
 def _one_line(msg: str):
