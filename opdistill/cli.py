@@ -51,6 +51,7 @@ def _check(args, cfg) -> int:
     from pathlib import Path
 
     from opdistill.train.assemble import check_run
+    from opdistill.train.disk.inputs import parse_accept_changed
     from opdistill.train.run.config import config_to_dict
     from opdistill.train.disk.preflight import check_model_folders
     from opdistill.yaml12 import dump_yaml
@@ -60,15 +61,13 @@ def _check(args, cfg) -> int:
     nproc = getattr(args, "nproc", None)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc: expected a number of processes >= 1, got {nproc}")
-    found = check_run(cfg, nproc=nproc)
+    resume = getattr(args, "resume", False)  # train --dry-run --resume: what the resume itself would refuse too
+    found = check_run(cfg, nproc=nproc, resume_accept=parse_accept_changed(args.accept_changed) if resume else None)
     run_dir = Path(cfg.run_dir)
-    if getattr(args, "resume", False):  # train --dry-run --resume: what the resume itself would refuse
-        from opdistill.train.assemble import check_resume
-        from opdistill.train.disk.inputs import parse_accept_changed
-
-        step, changes = check_resume(cfg, parse_accept_changed(args.accept_changed))
-        said = "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-        where = f"--resume would continue run_dir {run_dir} from step {step}" + (f", changing {said}" if said else "")
+    if resume:
+        said = "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in found["resume_changes"].items())
+        where = f"--resume would continue run_dir {run_dir} from step {found['resume_step']}" + \
+            (f", changing {said}" if said else "")
     elif (run_dir / "config.yaml").exists():
         where = f"run_dir {run_dir} holds a run: continue it with --resume, or replace it with --overwrite"
     else:

@@ -295,3 +295,11 @@ def test_the_minimal_config_of_the_docs_checks(tmp_path, capsys):
     assert text != block and "path/to" not in text
     (tmp_path / "mine.yaml").write_text(text)
     assert main(["check", "--config", str(tmp_path / "mine.yaml")]) == 0, capsys.readouterr().err
+
+
+def test_a_float16_student_handed_in_is_refused_saying_how_to_load_it(tmp_path):
+    cfg = load_config(base=tiny_config_dict(tmp_path, steps=1))
+    tok, student, teacher = load_models(cfg)
+    with pytest.raises(ConfigError, match=r"^models: the student handed in has float16 trainable parameters; .*load "
+                                          r"it in bfloat16 or float32 \(from_pretrained\(\.\.\., dtype=\.\.\.\)\)$"):
+        run_training(cfg, quiet=True, models=(tok, student.half(), teacher))

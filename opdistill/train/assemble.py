@@ -32,7 +32,7 @@ import torch
 from opdistill import DistillationLoss, PolicyGradientLoss
 from opdistill.data import DatasetTask, PromptSource, Rewards, Task, TeacherPrompt, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
-from opdistill.errors import ConfigError, IncompatibleModelsError, RunError
+from opdistill.errors import ConfigError, IncompatibleModelsError
 from opdistill.fused import check_lm_head
 from opdistill.models import (check_compatible, empty_model, load_model, load_shards, load_tokenizer, model_config,
                               resolve_model_path, truncate_layers)
@@ -52,13 +52,13 @@ from opdistill.train.run.placement import place_models, run_device
 from opdistill.train.disk.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
                                        check_finite_weights, check_loaded, check_model_folders, resolve_folder)
 from opdistill.train.run.rules import check_layout
-from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, open_run_dir,
+from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, check_holds_run, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.disk.wandb_log import open_wandb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Given", "Run", "RunState", "assemble", "check_resume", "check_run", "build_task", "build_context",
+__all__ = ["Given", "Run", "RunState", "assemble", "check_run", "build_task", "build_context",
            "build_rewards",
            "load_models", "lr_lambda", "open_teacher_cache"]
 
@@ -337,14 +337,13 @@ def _resume_checks(rd: RunDir, cfg: TrainerConfig, local: dict, accept: tuple, *
     return ckpt, step, changes, accepted
 
 
-def check_resume(cfg: TrainerConfig, accept: tuple = ()) -> tuple[int, dict]:
-    """``train --dry-run --resume``: every refusal a resume of ``cfg.run_dir`` makes before a model loads (a run
-    there, an intact checkpoint, the config's changes, the files' fingerprints), nothing written or locked. Returns
-    (the step it would resume from, the config's allowed changes)."""
+def _check_resume(cfg: TrainerConfig, task: Task, accept: tuple) -> tuple[int, dict]:
+    """Every refusal a resume of ``cfg.run_dir`` makes before a model loads (a run there, an intact checkpoint, the
+    config's changes, the fingerprints of what it reads, ``task`` included), nothing written or locked: (the step
+    it would resume from, the config's allowed changes)."""
     path = Path(cfg.run_dir)
-    if not (path / "config.yaml").exists():
-        raise RunError(f"--resume: {path} holds no run (no config.yaml); start a new run without --resume")
-    local = local_inputs(cfg, given=object_inputs(task=build_task(cfg)))
+    check_holds_run(path)
+    local = local_inputs(cfg, given=object_inputs(task=task))
     ckpt, step, changes, _ = _resume_checks(RunDir(path, None), cfg, local, accept, record=False)
     return step, changes
 
@@ -387,16 +386,22 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") 
     return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards
 
 
-def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: int | None = None) -> dict:
+def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: int | None = None,
+              resume_accept: tuple | None = None) -> dict:
     """``opdistill check`` (a dry run): every refusal :func:`assemble` makes before loading a weight (the config, the
     process layout, the model folders' metadata, the data, the teacher cache), and nothing else: no lock, no file
     written, no weight read. ``nproc``: check as that many processes would run it (torchrun's world size; default:
-    this process's). Returns what it found: {"held_out": problems, "tokenizer_vocab": size}."""
+    this process's). ``resume_accept``: also every refusal a resume makes (``train --dry-run --resume``; the inputs
+    whose change it accepts). Returns what it found: {"held_out": problems, "tokenizer_vocab": size} and, for a
+    resume, "resume_step" and "resume_changes" (the config's allowed changes)."""
     if nproc is not None and nproc > 1:
         dp = check_layout(cfg, nproc)  # opdistill/train/run/rules.py: what torchrun's start-up refuses
         ctx = DistContext(rank=0, world=nproc, dp_rank=0, dp_world=dp)
     tok, task, source, held_out, cache, context, rewards = _refuse_early(cfg, ctx, None, Given())
-    return {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
+    found = {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
+    if resume_accept is not None:  # train --dry-run --resume: the resume's own refusals too
+        found["resume_step"], found["resume_changes"] = _check_resume(cfg, task, resume_accept)
+    return found
 
 
 def _open_run_dir(cfg: TrainerConfig, ctx: DistContext, resume: bool, overwrite: bool, accept: tuple = (),

@@ -96,9 +96,7 @@ def check_loaded(cfg: TrainerConfig, student, teacher, *, training: bool = True)
     if training and cfg.train.steps > 0 and any(p.dtype == torch.float16 for p in student.parameters() if p.requires_grad):
         if cfg.model.dtype == "float16":
             raise ConfigError(_FP16)
-        raise ConfigError("models: the student handed in has float16 trainable parameters; " +
-                          _FP16.split("refused: ", 1)[1].replace("use bfloat16", "load it in bfloat16", 1)
-                          .replace(" (float16 is fine for eval and score)", " (from_pretrained(..., dtype=...))"))
+        raise ConfigError(_FP16_HANDED_IN)
 
 
 def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task, *,
@@ -111,6 +109,9 @@ def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: 
 
 _FP16 = ("model.dtype: float16 training is refused: the trainer has no loss scaling, so small gradients flush to zero "
          "and one overflow turns every weight into NaN; use bfloat16 or float32 (float16 is fine for eval and score)")
+_FP16_HANDED_IN = ("models: the student handed in has float16 trainable parameters; the trainer has no loss scaling, "
+                   "so small gradients flush to zero and one overflow turns every weight into NaN; load it in "
+                   "bfloat16 or float32 (from_pretrained(..., dtype=...))")
 
 
 def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,

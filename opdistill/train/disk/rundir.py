@@ -275,6 +275,12 @@ def _holds_run(path: Path) -> list[str]:
     return [name for name in RUN_ENTRIES if os.path.lexists(path / name)]
 
 
+def check_holds_run(path: Path) -> None:
+    """Refuse ``--resume`` of a folder that holds no run (no config.yaml)."""
+    if not (path / "config.yaml").exists():
+        raise RunError(f"--resume: {path} holds no run (no config.yaml); start a new run without --resume")
+
+
 def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = False) -> RunDir:
     """Create/open ``path`` for a run and lock it; apply the refusal rules (module docstring). With ``overwrite``
     the previous run's entries (:data:`RUN_ENTRIES`) are deleted first (links are removed, never followed)."""
@@ -304,8 +310,7 @@ def open_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = Fa
                 else:
                     p.unlink()
         elif resume:
-            if not (path / "config.yaml").exists():
-                raise RunError(f"--resume: {path} holds no run (no config.yaml); start a new run without --resume")
+            check_holds_run(path)
         elif found:
             raise RunError(f"run_dir {path} already holds a run ({', '.join(found)}); continue it with --resume, "
                            f"replace it with --overwrite, or choose another run_dir")
