@@ -12,7 +12,7 @@ import re as _re
 import reprlib
 
 __all__ = ["UserError", "ConfigError", "DataError", "DiskError", "ModelError", "IncompatibleModelsError", "RewardError",
-           "RunError", "RunWarning", "disk_error", "quote"]
+           "RunError", "RunWarning", "disk_error", "first_line", "quote"]
 
 # what the machine's disk says, not a bug: full, over quota, read-only, permission denied, an I/O error
 DISK_ERRNOS = {_errno.ENOSPC, _errno.EDQUOT, _errno.EROFS, _errno.EACCES, _errno.EPERM, _errno.EIO}
@@ -32,6 +32,13 @@ def quote(value, limit: int = 80) -> str:
     if "..." not in text:  # nothing elided: the plain repr (reprlib sorts dict keys; repr keeps their order)
         text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most ``limit`` characters (what a one-line error quotes of
+    another's)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else "(no message)"
 
 
 class UserError(Exception):

@@ -47,7 +47,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from opdistill.data.tasks import Problem, Task
-from opdistill.errors import ConfigError, RewardError, quote
+from opdistill.errors import ConfigError, RewardError, first_line, quote
 
 __all__ = ["KEYWORDS", "TASK", "RewardFunction", "Rewards", "load_function", "reward_name"]
 
@@ -88,7 +88,7 @@ def load_function(spec: str, key: str) -> Callable:
             raise
         hint = f"; the current folder {os.getcwd()} and sys.path are searched" \
             if isinstance(e, ModuleNotFoundError) and e.name == where.split(".")[0] else ""
-        raise ConfigError(f"{key}: cannot import {quote(where)} ({type(e).__name__}: {_first_line(e)}){hint}") from None
+        raise ConfigError(f"{key}: cannot import {quote(where)} ({type(e).__name__}: {first_line(e)}){hint}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
@@ -209,9 +209,9 @@ class Rewards:
             try:
                 f.fn(**self._kwargs(f, [p], [c], step))
             except Exception as e:  # noqa: BLE001
-                return RewardError(f"{f.key} raised {type(e).__name__}: {_first_line(e)} at step {step} on row {i} "
+                return RewardError(f"{f.key} raised {type(e).__name__}: {first_line(e)} at step {step} on row {i} "
                                    f"(prompt {quote(p.prompt, 60)}, completion {quote(c, 60)})")
-        return RewardError(f"{f.key} raised {type(error).__name__}: {_first_line(error)} at step {step} on the "
+        return RewardError(f"{f.key} raised {type(error).__name__}: {first_line(error)} at step {step} on the "
                            f"batch of {len(completions)} rows (no row alone raises)")
 
 
@@ -232,8 +232,3 @@ def _check_values(f: RewardFunction, got, completions, problems, step: int) -> t
             raise RewardError(f"{f.key} returned {quote(v, 40)} at step {step} for row {i} (completion "
                               f"{quote(completions[i], 60)}): expected a finite number")
     return torch.tensor([float(v) for v in got], dtype=torch.float64)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError
+from opdistill.errors import ConfigError, IncompatibleModelsError, ModelError, first_line
 
 __all__ = ["TokenBytes", "TokenizerBytesError", "token_bytes", "byte_level_table", "check_chat_templates",
            "render_chat", "template_error", "sentinel",
@@ -194,8 +194,7 @@ _PROBE_ANSWER = "  12 + 30 = 42.\nSo the answer is 42  "
 def template_error(tokenizer, e: Exception) -> ModelError:
     """A chat template that raised (its ``raise_exception``, a jinja error, a type error in its code), as one line
     naming the tokenizer."""
-    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else "(no message)"
-    return ModelError(f"the chat template of {_name(tokenizer)} failed: {type(e).__name__}: {text}")
+    return ModelError(f"the chat template of {_name(tokenizer)} failed: {type(e).__name__}: {first_line(e)}")
 
 
 TEMPLATE_SECONDS = 10.0  # the longest a chat template may take to render one conversation
@@ -250,10 +249,6 @@ def _name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
 
-def _rendered(tokenizer, messages, generation: bool) -> str:
-    return render_chat(tokenizer, messages, add_generation_prompt=generation)
-
-
 def check_chat_templates(student_tok, teacher_tok, *, key: str = "model.teacher") -> None:
     """Refuse a pair whose chat templates write the assistant's response differently (one strips its whitespace,
     inserts a reasoning block, ...): the text the student writes after its generation prompt must be what the
@@ -263,8 +258,8 @@ def check_chat_templates(student_tok, teacher_tok, *, key: str = "model.teacher"
         if not getattr(tok, "chat_template", None):
             seen[side] = _PROBE_ANSWER
             continue
-        prompt = _rendered(tok, _PROBE, True)
-        full = _rendered(tok, _PROBE + [{"role": "assistant", "content": _PROBE_ANSWER}], False)
+        prompt = render_chat(tok, _PROBE, add_generation_prompt=True)
+        full = render_chat(tok, _PROBE + [{"role": "assistant", "content": _PROBE_ANSWER}], add_generation_prompt=False)
         if not full.startswith(prompt):
             seen[side] = f"<the conversation does not start with the generation prompt {prompt!r}>"
             continue
