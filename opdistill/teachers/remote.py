@@ -25,8 +25,8 @@ from opdistill.teachers.answers import answer_problem
 from opdistill.teachers.base import Rows, ScoreRequest
 from opdistill.teachers.fingerprint import ANSWER_IDENTITY_FIELDS, TOKENIZER_FIELDS, tokenizer_fingerprint
 from opdistill.teachers.http import HttpClient, HttpTeacher, TeacherChanged, TeacherServiceError
-from opdistill.teachers.wire import (HIDDEN_DTYPES, LOGPROB_CODECS, MEDIA_BINARY, MEDIA_JSON, ScoreResult, decode_head,
-                                     decode_result, engine_refusal, from_wire)
+from opdistill.teachers.wire import (HIDDEN_DTYPES, LOGPROB_CODECS, MEDIA_BINARY, MEDIA_JSON, ScoreResult, count_field,
+                                     decode_head, decode_result, engine_refusal, from_wire)
 
 __all__ = ["RemoteTeacher", "TeacherServiceError"]
 
@@ -52,9 +52,10 @@ MAX_TOKENIZER_CHARS = 512 << 20
 def info_problem(info: dict) -> str | None:
     """The first field of a server's ``/info`` whose type or range is wrong (one phrase naming it), or None."""
     for f in _INFO_COUNTS:
-        v = info.get(f)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            return f"{f}: expected an integer >= 0 or null, got {v!r:.60}"
+        try:
+            count_field(info, f)
+        except ValueError as e:
+            return str(e)
     for f in _INFO_STRINGS:
         v = info.get(f)
         if v is not None and not isinstance(v, str):

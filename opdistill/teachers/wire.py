@@ -47,11 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from opdistill.errors import quote
 from opdistill.loss import TeacherScores, TeacherTopK
 
 __all__ = ["MEDIA_JSON", "MEDIA_BINARY", "LOGPROB_CODECS", "INT8_LEVELS", "HIDDEN_DTYPES", "ScoreResult",
            "parse_accept", "encode_result", "decode_result", "engine_refusal", "to_wire", "from_wire",
-           "encode_head", "decode_head"]
+           "encode_head", "decode_head", "count_field"]
 
 MEDIA_JSON = "application/json"
 MEDIA_BINARY = "application/x-opdistill-v1"
@@ -278,11 +279,11 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _count(d: dict, name: str):
+def count_field(d: dict, name: str):
     """``d[name]``: an integer >= 0 or None (absent), else ValueError naming the field."""
     v = d.get(name)
     if v is not None and not (_is_int(v) and v >= 0):
-        raise ValueError(f"{name}: expected an integer >= 0 or null, got {_short(v)}")
+        raise ValueError(f"{name}: expected an integer >= 0 or null, got {quote(v, 60)}")
     return v
 
 
@@ -291,22 +292,17 @@ def _header_fields(d: dict) -> tuple[float, str, dict | None]:
     or absent), every count field checked; ValueError naming the field."""
     t = d.get("temperature")
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise ValueError(f"temperature: expected a finite number > 0, got {_short(t)}")
+        raise ValueError(f"temperature: expected a finite number > 0, got {quote(t, 60)}")
     model = d.get("model", "")
     if not isinstance(model, str):
-        raise ValueError(f"model: expected a string, got {_short(model)}")
+        raise ValueError(f"model: expected a string, got {quote(model, 60)}")
     teacher = d.get("teacher")
     if teacher is not None and not (isinstance(teacher, dict) and all(
             isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in teacher.items())):
-        raise ValueError(f"teacher: expected an object of strings (the teacher's identity), got {_short(teacher)}")
+        raise ValueError(f"teacher: expected an object of strings (the teacher's identity), got {quote(teacher, 60)}")
     for name in ("num_positions", "k", "num_requested", "hidden_size"):
-        _count(d, name)
+        count_field(d, name)
     return float(t), model, teacher
-
-
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:60] + "..."
 
 
 def _array_dtypes(name: str, codec: str, hidden_dtype: str) -> set[str] | None:
@@ -364,7 +360,7 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
     temperature, model, teacher = _header_fields(head)
     codec = head.get("logprobs")
     if codec not in LOGPROB_CODECS:
-        raise ValueError(f"logprobs: expected one of {list(LOGPROB_CODECS)}, got {_short(codec)}")
+        raise ValueError(f"logprobs: expected one of {list(LOGPROB_CODECS)}, got {quote(codec, 60)}")
     hid_dtype = head.get("hidden_dtype", "fp32")
     if hid_dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden_dtype {hid_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
@@ -372,15 +368,15 @@ def decode_result(body: bytes, media: str) -> ScoreResult:
     arrays = {}
     for e in head["arrays"]:
         if not isinstance(e, dict) or not isinstance(e.get("name"), str):
-            raise ValueError(f"arrays: an entry is not an object with a name ({_short(e)})")
+            raise ValueError(f"arrays: an entry is not an object with a name ({quote(e, 60)})")
         name = e["name"]
         shape, offset = e.get("shape"), e.get("offset")
         if not isinstance(shape, list) or len(shape) not in (1, 2) or not all(_is_int(n) and n >= 0 for n in shape):
-            raise ValueError(f"array {name!r}: shape {_short(shape)} is not one or two integers >= 0")
+            raise ValueError(f"array {name!r}: shape {quote(shape, 60)} is not one or two integers >= 0")
         if not _is_int(offset) or offset < 0:
-            raise ValueError(f"array {name!r}: offset {_short(offset)} is not an integer >= 0")
+            raise ValueError(f"array {name!r}: offset {quote(offset, 60)} is not an integer >= 0")
         if e.get("dtype") not in _WIRE_DTYPES:
-            raise ValueError(f"array {name!r}: dtype {_short(e.get('dtype'))} is not a wire dtype")
+            raise ValueError(f"array {name!r}: dtype {quote(e.get('dtype'), 60)} is not a wire dtype")
         allowed = _array_dtypes(name, codec, hid_dtype)
         if allowed is None:
             raise ValueError(f"array {name!r} is not part of a {codec} answer")
