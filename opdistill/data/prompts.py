@@ -41,10 +41,10 @@ def prompt_text(prompt) -> str:
     return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
 
 
-def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[int]:
+def render_prompt(tokenizer, text, *, use_chat_template: bool = True, tools: list | None = None) -> list[int]:
     """Token ids of a prompt (a string, or a list of ``{"role", "content"}`` messages), through the tokenizer's chat
     template (generation prompt added) when it has one. A chat prompt needs the template: without it (or with
-    ``use_chat_template`` off) it is a ConfigError."""
+    ``use_chat_template`` off) it is a ConfigError. ``tools``: JSON schemas the template lists (an episode's tools)."""
     messages = not isinstance(text, str)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if messages and not (use_chat_template and has_template):
@@ -55,7 +55,7 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True) -> list[in
         # the template's text, bounded (a template that loops or writes gigabytes is one line), then its ids: what
         # apply_chat_template(tokenize=True) returns (it tokenizes its text without adding special tokens)
         chat = render_chat(tokenizer, list(text) if messages else [{"role": "user", "content": text}],
-                           add_generation_prompt=True)
+                           add_generation_prompt=True, tools=tools)
         return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 

@@ -33,6 +33,7 @@ class RolloutBatch:
     prompt_index: list[int]  # which prompt of the call each row answers (rows of one prompt form a GRPO group)
     texts: list[str] | None  # decoded responses, special tokens removed (None when not asked for)
     sampler_topk: torch.Tensor | None = None  # [B, S, K] int64: row t = the top-K ids of token t+1's distribution
+    episode_sums: torch.Tensor | None = None  # [B, len(EPISODE_SUMS)] float64: an episode's counts (engines/episodes)
 
     @property
     def num_rows(self) -> int:
@@ -55,9 +56,12 @@ class RolloutBatch:
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]] | None,
                prompt_index: list[int], texts: list[str] | None, pad_id: int,
-               response_topk: list[list[list[int]]] | None = None) -> RolloutBatch:
+               response_topk: list[list[list[int]]] | None = None,
+               owners: list[list[int]] | None = None) -> RolloutBatch:
     """Right-padded [B, S] layout of prompt + response rows (the next-token convention for log-probs and the
-    sampler's top-K ids: row t describes token t + 1; id 0 where no response token follows)."""
+    sampler's top-K ids: row t describes token t + 1; id 0 where no response token follows). ``owners`` (an
+    episode's, SPEC 6.8): per response token 1 where the student wrote it, 0 for an environment's token, which stays
+    in the row as context and out of ``response_mask``; None: every response token is the student's."""
     B = len(prompts)
     S = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -68,7 +72,7 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], response_lo
         n = len(p) + len(r)
         ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
         attn[i, :n] = 1
-        resp[i, len(p):n] = 1
+        resp[i, len(p):n] = 1 if owners is None else torch.tensor(owners[i], dtype=torch.long)
         if response_logprobs is not None and r:
             lps[i, len(p) - 1 : n - 1] = torch.tensor(response_logprobs[i], dtype=torch.float32)
     top = None

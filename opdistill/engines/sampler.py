@@ -51,9 +51,12 @@ class Samples:
     topk_ids: list[list[list[int]]] | None = None  # the top-K ids of the distribution of each generated token
 
 
-def row_key(seed: int, step: int, prompt_key: int, sample_index: int) -> int:
-    """The 64-bit generator seed of one sample: a hash of its four keys (stable across processes and versions)."""
-    msg = f"opdistill.sampler:{int(seed)}:{int(step)}:{int(prompt_key)}:{int(sample_index)}".encode()
+def row_key(seed: int, step: int, prompt_key: int, sample_index: int, turn: int = 0) -> int:
+    """The 64-bit generator seed of one sample: a hash of its four keys (stable across processes and versions), and
+    of the episode's turn after the first (SPEC 6.8: turn 0 is the single-turn key, so one-turn episodes draw what
+    single responses draw)."""
+    msg = f"opdistill.sampler:{int(seed)}:{int(step)}:{int(prompt_key)}:{int(sample_index)}"
+    msg = (msg if not turn else f"{msg}:turn{int(turn)}").encode()
     return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little")
 
 
@@ -438,13 +441,16 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
            max_new_tokens: int = 64, min_new_tokens: int = 0, seed: int = 0, step: int = 0,
            prompt_keys: Sequence[int] | None = None, batch_size: int | None = None, want_logprobs: bool = False,
            tokenizer=None, forward_hook=None,
-           lean_decode: bool = True, want_topk: int = 0) -> Samples:
+           lean_decode: bool = True, want_topk: int = 0, sample_indices: Sequence[int] | None = None,
+           turn: int = 0) -> Samples:
     """Draw ``n`` responses per prompt (``greedy``: one argmax response each) with the keyed decode loop.
 
     ``prompt_keys[i]`` is the key of ``prompts[i]`` (default: ``i``); with ``seed`` and ``step`` it fixes every
     sample's randomness. ``batch_size`` is the number of prompts prefilled and decoded together (default: all).
     ``tokenizer``: decode the texts too. ``forward_hook(rows)`` (tests) is called before every forward.
     ``want_topk`` K > 0: also the top-K ids of each generated token's distribution (module notes).
+    ``sample_indices[i]`` (with ``n`` 1) keys ``prompts[i]`` as that sample of its prompt key, and ``turn`` as that
+    turn of an episode (opdistill/engines/episodes.py continues each sample's episode on its own key).
     """
     from transformers import DynamicCache
 
@@ -454,6 +460,9 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
     if greedy:
         n, temperature, top_k, top_p = 1, 1.0, 0, 1.0
     keys = list(range(len(prompts))) if prompt_keys is None else [int(k) for k in prompt_keys]
+    if sample_indices is not None and (n != 1 or len(sample_indices) != len(prompts)):
+        raise ValueError(f"sample_indices: expected one per prompt with n=1, got {len(sample_indices)} for "
+                         f"{len(prompts)} prompts with n={n}")
     device = model.device
     cache_arg, has_keep = _forward_names(model)
     extra = {"logits_to_keep": 1} if has_keep else {}
@@ -503,7 +512,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_i
             out_rows = [(start + i) * n + j for i in range(B) for j in range(n)]  # row in `tokens` of each live row
             gens = None
             if not greedy:
-                gens = [torch.Generator(device=device).manual_seed(row_key(seed, step, keys[start + i], j))
+                gens = [torch.Generator(device=device).manual_seed(row_key(
+                    seed, step, keys[start + i], j if sample_indices is None else sample_indices[start + i], turn))
                         for i in range(B) for j in range(n)]
             block = max(1, _NOISE_BLOCK_ELEMS // logits.shape[-1])  # positions of noise drawn at once
             noise = None  # [rows, block, V]: log(-log u) of the next `block` positions of every live row

@@ -315,7 +315,14 @@ class EngineSet:
         each of its generate calls, which return the same rows on all of them)."""
         return self.student is not None and self.student.tensor_parallel_size > 1
 
-    def generate_rollouts(self, model, tokenizer, prompts, **kw) -> RolloutBatch:
+    def generate_rollouts(self, model, tokenizer, prompts, env=None, **kw) -> RolloutBatch:
+        """The rollouts of ``prompts``: single responses, or episodes in ``env`` (SPEC 6.8: our sampler only)."""
+        if env is not None:
+            if self.student is not None:
+                raise ValueError("env.tools: episodes run on our sampler; use rollout.engine hf")
+            from opdistill.engines.episodes import run_episodes
+
+            return run_episodes(model, tokenizer, prompts, env, **kw)
         if self.student is None:
             return generate_rollouts(model, tokenizer, prompts, **kw)
         kw.pop("batch_size", None)  # vLLM schedules its own batches

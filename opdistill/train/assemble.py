@@ -32,6 +32,7 @@ import torch
 from opdistill import DistillationLoss, PolicyGradientLoss
 from opdistill.data import DatasetTask, PromptSource, Rewards, Task, TeacherPrompt, make_task
 from opdistill.engines.vllm import EngineSet, open_engines
+from opdistill.env import CallFormat, Environment, Tools
 from opdistill.errors import ConfigError, IncompatibleModelsError
 from opdistill.fused import check_lm_head
 from opdistill.models import (check_compatible, empty_model, load_model, load_shards, load_tokenizer, model_config,
@@ -51,7 +52,7 @@ from opdistill.train.steps.pipeline import Pipeline
 from opdistill.train.run.placement import place_models, run_device
 from opdistill.train.disk.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
                                        check_finite_weights, check_loaded, check_model_folders, resolve_folder)
-from opdistill.train.run.rules import check_layout
+from opdistill.train.run.rules import check_env, check_layout
 from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, check_holds_run, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.disk.wandb_log import open_wandb
@@ -286,6 +287,7 @@ class Run:
     pipeline: Pipeline | None = None  # train.max_staleness > 0: batches made ahead (train/steps/pipeline.py)
     context: TeacherPrompt | None = None  # teacher.context: the teacher's own prompt per problem (SPEC 6.7)
     callbacks: tuple = ()  # callback(step, metrics) -> True to stop: what a Python caller handed in
+    env: Environment | None = None  # env.tools: the student's episodes run in it (SPEC 6.8)
 
 
 @dataclass
@@ -368,6 +370,24 @@ def build_rewards(cfg: TrainerConfig, task: Task, given: tuple = ()) -> Rewards:
                    key="rewards" if given else "reward.functions")
 
 
+def build_env(cfg: TrainerConfig, tok, given: tuple = ()) -> Environment | None:
+    """The environment of a run's episodes (SPEC 6.8; opdistill/env): ``env.tools`` or the callables a Python caller
+    handed in (``given``), imported and their signatures checked, the student's chat template checked for tool
+    messages; None without tools (single responses)."""
+    if given and cfg.env.tools:
+        raise ConfigError(f"tools: {len(given)} given in Python and env.tools={cfg.env.tools} in the config; name "
+                          "the tools in one place")
+    if not (given or cfg.env.tools):
+        return None
+    check_env(cfg, True)
+    ec = cfg.env
+    limits = dict(timeout_s=ec.tool_timeout_s, max_result_chars=ec.max_result_chars)
+    tools = Tools(given, key="tools", **limits) if given else Tools.from_specs(ec.tools, **limits)
+    return Environment(tools, tok, max_turns=ec.max_turns, max_episode_tokens=ec.max_episode_tokens,
+                       call_format=CallFormat(ec.call_open, ec.call_close),
+                       use_chat_template=cfg.data.use_chat_template, calls_in_prompt=ec.calls_in_prompt)
+
+
 def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") -> tuple:
     """Every refusal the config, the process layout and the model folders' metadata decide: (tokenizer, task,
     source, held-out problems, the teacher cache or None, the teacher's own prompt per problem or None, the
@@ -383,7 +403,8 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") 
                          held_out=len(held_out))
     if context is not None:
         check_context(cfg, context, tok, student_info, teacher_infos, source, held_out)
-    return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards
+    env = build_env(cfg, tok, tuple(given.tools))
+    return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards, env
 
 
 def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: int | None = None,
@@ -397,7 +418,7 @@ def check_run(cfg: TrainerConfig, ctx: DistContext = DistContext(), *, nproc: in
     if nproc is not None and nproc > 1:
         dp = check_layout(cfg, nproc)  # opdistill/train/run/rules.py: what torchrun's start-up refuses
         ctx = DistContext(rank=0, world=nproc, dp_rank=0, dp_world=dp)
-    tok, task, source, held_out, cache, context, rewards = _refuse_early(cfg, ctx, None, Given())
+    tok, task, source, held_out, cache, context, rewards, env = _refuse_early(cfg, ctx, None, Given())
     found = {"held_out": len(held_out), "tokenizer_vocab": len(tok)}
     if resume_accept is not None:  # train --dry-run --resume: the resume's own refusals too
         found["resume_step"], found["resume_changes"] = _check_resume(cfg, task, resume_accept)
@@ -457,6 +478,7 @@ class Given:
     task: Task | None = None
     rewards: tuple = ()
     callbacks: tuple = ()
+    tools: tuple | dict = ()  # the environment's tools (callables; a dict's items: (name, callable)), in place of env.tools
 
 
 def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,
@@ -464,7 +486,7 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     """The run of ``cfg`` in ``ctx``, its resources entered into ``stack`` (module docstring). ``accept_changed``:
     the inputs whose change since the run started a resume accepts (``--accept-changed``; train/disk/inputs.py).
     ``models``, ``given``: what a Python caller hands in (models, a task, rewards, callbacks)."""
-    tok, task, source, held_out, cache, context, rewards = _refuse_early(cfg, ctx, models, given)
+    tok, task, source, held_out, cache, context, rewards, env = _refuse_early(cfg, ctx, models, given)
     objects = object_inputs(models, task) if ctx.is_main else None  # their fingerprints (train/disk/inputs.py)
     rd, ckpt, opened = _open_run_dir(cfg, ctx, resume, overwrite, tuple(accept_changed), objects)
     stack.enter_context(rd)
@@ -504,14 +526,14 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
     ctx.from_main(lambda: _record_inputs(cfg, opened, teachers, tuple(accept_changed), state.step))
     collect = Collector(cfg, tok=tok, task=task, source=source, teacher=teachers.train,
                         writer=teacher_models.get("model.teacher"), engines=engines, cache=cache, ctx=ctx,
-                        context=context, rewards=rewards)
+                        context=context, rewards=rewards, env=env)
     pipeline = None
     if cfg.train.max_staleness:  # last: its thread starts generating at once
         pipeline = stack.enter_context(_closing(Pipeline(
             collect, student, max_staleness=cfg.train.max_staleness, start=state.step, steps=cfg.train.steps,
             versions=Pipeline.versions_from(saved_tensors))))
     return Run(cfg, ctx, rd, tok, student, task, held_out, optimizer, scheduler, loss_fn, state, logger, engines,
-               teachers, collect, save, config_to_dict(cfg), pipeline, context, tuple(given.callbacks))
+               teachers, collect, save, config_to_dict(cfg), pipeline, context, tuple(given.callbacks), env)
 
 
 def _teacher_heads(teacher) -> dict[str, str]:

@@ -28,7 +28,7 @@ from opdistill.models import resolve_model_path
 from opdistill.runs.outputs import check_output_path, output_lock
 from opdistill.runs.values import nest_intervals
 from opdistill.teachers import Rows, ScoreRequest, TeacherContext, build_teacher, save_cache
-from opdistill.train.assemble import build_context, build_task, load_models
+from opdistill.train.assemble import build_context, build_env, build_task, load_models
 from opdistill.train.disk.checkpoint import checkpoint_step, load_weights, resume_checkpoint, verify_checkpoint
 from opdistill.train.disk.inputs import check_inputs, local_inputs, remote_inputs
 from opdistill.train.disk.preflight import ModelInfo, check_against_models, check_context, check_model_folders
@@ -87,7 +87,7 @@ def evaluate_run(cfg, *, checkpoint: str | None = None, run_dir: Path | None = N
         if run_dir is not None:  # a teacher server against the run's record
             check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
         metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out, values_path=values_path,
-                           context=context)
+                           context=context, env=build_env(cfg, tok))
     finally:
         teachers.close()
     return EvalReport(str(ckpt) if ckpt else None, len(held_out), cfg.eval.num_samples,

@@ -43,12 +43,12 @@ __all__ = ["RunState", "run_training", "run_eval", "build_task", "load_models"]
 
 
 def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: DistContext = DistContext(),
-             values_path: Path | None = None, context=None) -> dict:
+             values_path: Path | None = None, context=None, env=None) -> dict:
     """Evaluate on ``held_out`` (``teacher``: an ``opdistill.teachers.Teacher``, or None: no teacher metrics);
     under data parallelism each rank takes a contiguous part, sums are reduced exactly. ``values_path``: also write
     the per-problem values there (JSON, atomic, by the main rank): what ``opdistill compare`` pairs over problems.
     ``context``: the teacher's own prompt per problem (``teacher.context``: the teacher's rows; with ``eval.prompts:
-    teacher`` the student decodes from it too)."""
+    teacher`` the student decodes from it too). ``env``: the student's rollouts are episodes in it (SPEC 6.8)."""
     ec = cfg.eval
     if ec.prompts == "teacher":  # the problems as the context-teacher sees them (its own accuracy)
         held_out = [dataclasses.replace(p, prompt=context(p)) for p in held_out]
@@ -59,7 +59,7 @@ def run_eval(cfg: TrainerConfig, tok, student, teacher, task, held_out, ctx: Dis
         max_new_tokens=ec.max_new_tokens or cfg.rollout.max_new_tokens, greedy=ec.greedy, sampled=ec.sampled,
         topk=ec.topk, batch_size=ec.batch_size, use_chat_template=cfg.data.use_chat_template,
         seed=cfg.data.eval_seed + 777, num_samples=ec.num_samples, prompt_offset=offset,
-        teacher_prompt=context), ctx.group)
+        teacher_prompt=context, env=env), ctx.group)
     if values_path is not None and ctx.is_main:
         values_path.parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/eval: a link there is refused at open
         atomic_write_text(values_path, json.dumps(values_to_json(values)) + "\n")
@@ -78,7 +78,7 @@ def _stop_nonfinite(cfg: TrainerConfig, state: RunState) -> NonFiniteError:
 
 def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = False, models=None,
                  quiet: bool = False, accept_changed: tuple = (), task: Task | None = None, rewards=(),
-                 callbacks=()) -> dict:
+                 callbacks=(), tools=()) -> dict:
     """Train as configured; returns a summary (steps, time, eval history, the run folder and its last checkpoint;
     ``stopped``: the signal's name when SIGINT/SIGTERM stopped the run early, ``"callback"`` when a callback did,
     else None). The Python API (docs/python_api.md):
@@ -91,7 +91,9 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
       its signature and checks (opdistill/data/rewards.py);
     - ``callbacks``: ``callback(step, metrics)`` after each step is logged (``metrics``: that step's line of
       metrics.jsonl, the evaluation's metrics included on evaluation steps); returning True stops the run after
-      that step, with its checkpoint, as a first Ctrl-C does.
+      that step, with its checkpoint, as a first Ctrl-C does;
+    - ``tools``: the environment's tools (callables, or ``{name: callable}``) in place of ``env.tools``: the student's
+      rollouts become episodes in which it calls them (SPEC 6.8, docs/episodes.md).
 
     What is handed in is fingerprinted in the run's record of its inputs (train/disk/inputs.py), so a resume with
     other objects is refused as a changed folder is.
@@ -111,7 +113,8 @@ def run_training(cfg: TrainerConfig, *, resume: bool = False, overwrite: bool = 
         torch.set_num_threads(cfg.train.threads)
     with init_distributed(cfg) as ctx, ExitStack() as stack:  # world size 1 without torchrun: no process group
         run = assemble(cfg, ctx, stack, resume=resume, overwrite=overwrite, models=models, quiet=quiet,
-                       accept_changed=accept_changed, given=Given(task, tuple(rewards), tuple(callbacks)))
+                       accept_changed=accept_changed, given=Given(task, tuple(rewards), tuple(callbacks),
+                                                                   tools if isinstance(tools, dict) else tuple(tools)))
         with StopSignals() as stop:
             return _loop(run, stop)
 
@@ -120,7 +123,8 @@ def _evaluate(run: Run) -> dict:
     """The held-out evaluation at the current step (every rank: its share of the problems)."""
     return run.state.record_eval(run_eval(
         run.cfg, run.tok, run.ctx.rollout_model(run.student), run.teachers.eval, run.task, run.held_out, run.ctx,
-        values_path=run.rd.path / "eval" / f"step_{run.state.step:06d}.json", context=run.context))
+        values_path=run.rd.path / "eval" / f"step_{run.state.step:06d}.json", context=run.context,
+        env=run.env))
 
 
 def _save(run: Run, kept: "_Completed | None" = None) -> Path:

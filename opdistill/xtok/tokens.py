@@ -205,12 +205,13 @@ class _TemplateOverrun(Exception):
     pass
 
 
-def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool) -> str:
+def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool, tools: list | None = None) -> str:
     """The text ``tokenizer``'s chat template writes for ``messages``, bounded: a template (the model folder's code,
     run in transformers' jinja sandbox) that raises, runs past :data:`TEMPLATE_SECONDS` (a loop) or writes more than
     :data:`TEMPLATE_MAX_CHARS` is a one-line :class:`ModelError`, stopped where it is. The bounds are checked by a
     trace function on the template's own compiled code only (jinja's ``<template>`` frames: every line, every piece
-    of text it yields), so the rest of the program runs untraced."""
+    of text it yields), so the rest of the program runs untraced. ``tools``: the tools' JSON schemas, which the
+    template lists for the model (``apply_chat_template(tools=...)``; an episode's prompt, SPEC 6.8)."""
     deadline, written = time.monotonic() + TEMPLATE_SECONDS, [0]
 
     def in_template(frame, event, arg):
@@ -230,7 +231,8 @@ def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool) -> st
     previous = sys.gettrace()
     sys.settrace(on_call)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     except _TemplateOverrun as e:
         raise ModelError(f"the chat template of {_name(tokenizer)} {e} rendering a conversation of {len(messages)} "
                          f"message(s); a chat template is a few lines of formatting (a loop in it?)") from None

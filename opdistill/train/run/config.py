@@ -34,7 +34,7 @@ __all__ = ["ConfigError", "LoraConfig", "ModelConfig", "DataConfig", "RewardConf
            "TrainConfig",
            "EvalConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TeacherConfig", "ContextConfig",
            "NamedTeacher",
-           "RoutingConfig", "TrainerConfig",
+           "RoutingConfig", "EnvConfig", "TrainerConfig",
            "load_config", "apply_overrides", "config_to_dict"]
 
 Method = Literal["on_policy", "off_policy", "rl"]
@@ -261,6 +261,20 @@ class XtokConfig(_Section):
     teacher_topk: int = Field(256, ge=1)  # the teacher's top-K_T per position (capped at its vocabulary)
 
 
+class EnvConfig(_Section):
+    """``env``: multi-turn episodes in which the student calls tools (SPEC 6.8; opdistill/env, docs/episodes.md). No
+    tools: every rollout is a single response, as before."""
+
+    tools: list[str] = []  # 'module:function' or 'file.py:function', called by name from the student's tool calls
+    max_turns: int = Field(4, ge=1)  # student turns per episode (the last one's tool calls are not run)
+    max_episode_tokens: int = Field(512, ge=1)  # the student's and the environment's tokens after the prompt
+    tool_timeout_s: float = Field(10.0, gt=0)  # a call still running after this is an error observation
+    max_result_chars: int = Field(2000, ge=1)  # a longer result is cut (env/cut_results)
+    call_open: str = "<tool_call>"  # the markers around a call's JSON {"name": ..., "arguments": {...}}
+    call_close: str = "</tool_call>"
+    calls_in_prompt: bool = False  # true: your prompts teach the call format, the chat template need not mention it
+
+
 class RoutingConfig(_Section):
     """``routing``: which teacher scores a prompt, from a field of its data (docs/teacher_service.md)."""
 
@@ -287,6 +301,7 @@ class TrainerConfig(_Section):
     teachers: Optional[list[NamedTeacher]] = None  # named teachers, in process (path) or servers (url)
     routing: Optional[RoutingConfig] = None  # which teacher scores which prompt (needed with teachers)
     xtok: XtokConfig = XtokConfig()  # teachers with another tokenizer (docs/cross_tokenizer.md)
+    env: EnvConfig = EnvConfig()  # tools the student calls over several turns (docs/episodes.md)
 
 # The loss section: the DistillationConfig dataclass's own fields and defaults, type-checked like the sections above.
 _LOSS_HINTS = typing.get_type_hints(DistillationConfig)

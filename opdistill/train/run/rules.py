@@ -17,7 +17,7 @@ from typing import Any
 from opdistill.errors import ConfigError, quote
 from opdistill.teachers.build import teacher_sources
 
-__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_layout", "check_urls", "lora_targets",
+__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_env", "check_layout", "check_urls", "lora_targets",
            "no_credentials", "redact_url"]
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -301,6 +301,29 @@ def _reward(cfg) -> None:
               s.weights)
 
 
+def check_env(cfg, active: bool) -> None:
+    """Episodes (SPEC 6.8; ``active``: the run has tools, from ``env.tools`` or handed in) with what runs them: our
+    sampler, not sharded decoding, one tokenizer, rows the run samples."""
+    if not active:
+        return
+    why = "with env.tools (episodes run on our own sampler, one tokenizer, rows the run samples: docs/episodes.md)"
+    _need(cfg.rollout.engine == "hf", "rollout.engine", f"hf {why}", cfg.rollout.engine)
+    _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
+    _need(cfg.xtok.mode == "off", "xtok.mode", f"off {why}", cfg.xtok.mode)
+    _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)
+    _need(not (cfg.train.method == "off_policy" and cfg.teacher.context is not None), "teacher.context",
+          f"null with train.method off_policy {why}", "set")
+
+
+def _env(cfg) -> None:
+    """``env.tools`` named as the loader reads them; the episodes' limits with the rollout's."""
+    for i, spec in enumerate(cfg.env.tools):
+        where, sep, attr = spec.rpartition(":")
+        _need(sep and where and attr.isidentifier(), f"env.tools.{i}", "'module:function' or 'file.py:function'",
+              spec)
+    check_env(cfg, bool(cfg.env.tools))
+
+
 def _task_rewards(cfg) -> None:
     """Task rewards are group-normalized."""
     lc = cfg.loss
@@ -419,7 +442,7 @@ def lora_targets(lora) -> None:
 
 RULES = (_model, _data, _rollout, _optim, _context, _urls, _method, _context_rules, _sources, _engines, _full, _union,
          _xtok, _teacher_engine, _correction, _decode, _teacher_sharded, _reward, _task_rewards, _teachers,
-         _tensor_parallel, _lora)
+         _tensor_parallel, _lora, _env)
 
 
 def check_config(cfg) -> None:

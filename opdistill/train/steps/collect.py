@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from opdistill.data import PromptSource, Rewards, Task, TeacherPrompt, render_prompt
+from opdistill.engines.episodes import EPISODE_SUMS
 from opdistill.engines.vllm import EngineSet
+from opdistill.env import Environment
 from opdistill.loss import TeacherScores
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.run.distributed import DistContext
@@ -84,12 +86,13 @@ class Collector:
     the training teacher (None for RL), ``engines`` the student's rollout engine, ``cache`` the rows of a teacher
     cache (off-policy KD from ``data.teacher_cache``: no decoding), ``context`` the teacher's own prompt per problem
     (``teacher.context``, SPEC 6.7: the teacher scores, and for off-policy KD writes, under it), ``rewards`` what a
-    completion earns (``reward.functions``, opdistill/data/rewards.py; default: the task's verifier)."""
+    completion earns (``reward.functions``, opdistill/data/rewards.py; default: the task's verifier), ``env`` the
+    environment the rollouts are episodes in (``env.tools``, SPEC 6.8; None: single responses)."""
 
     def __init__(self, cfg, *, tok, task: Task, source: PromptSource, teacher: Teacher | None, writer=None,
                  engines: EngineSet | None = None, cache: dict | None = None, ctx: DistContext = DistContext(),
-                 context: TeacherPrompt | None = None, rewards: Rewards | None = None):
-        self.cfg, self.tok, self.task, self.source, self.ctx = cfg, tok, task, source, ctx
+                 context: TeacherPrompt | None = None, rewards: Rewards | None = None, env: Environment | None = None):
+        self.cfg, self.tok, self.task, self.source, self.ctx, self.env = cfg, tok, task, source, ctx, env
         self.rewards = rewards if rewards is not None else Rewards(task)  # default: the task's verifier
         self.teacher, self.writer, self.cache, self.context = teacher, writer, cache, context
         self.engines = engines or EngineSet()
@@ -146,6 +149,8 @@ class Collector:
             data.advantages = group_advantages(rewards, ro.prompt_index)
         sums = [float(rewards.sum()), float(ro.num_rows), float(ro.response_mask.sum())]
         sums += [0.0] * len(self._sum_names) + (per_function if self.rewards.custom else [])  # answer() fills the 0s
+        if self.env is not None:  # an episode's counts (opdistill/engines/episodes.py), summed over the rows
+            sums += ro.episode_sums.sum(0).tolist()
         local = {"sums": sums, "time/rollout_s": t1 - t0, "time/teacher_s": 0.0}
         return Batch(step, data, rows, local)
 
@@ -186,19 +191,21 @@ class Collector:
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
-        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template)
+                   if self.env is None else self.env.prompt(p.prompt) for p in problems]
         x_t = None if self.context is None else [self.context(p) for p in problems]
         torch.manual_seed(cfg.train.seed * 1_000_003 + step)
         old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
         off = cfg.train.method == "off_policy"
         writer = self.writer if off else student
         union = self.teacher is not None and union_ids(cfg.loss)
-        written = prompts if not (off and x_t is not None) else [
+        written = prompts if not (off and x_t is not None) else [  # (no env: check_env refuses it)
             render_prompt(self.tok, x, use_chat_template=cfg.data.use_chat_template) for x in x_t]
         ro = self.engines.generate_rollouts(writer, self.tok, written, n=rc.n, temperature=rc.temperature,
                                             top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
                                             min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
                                             seed=cfg.train.seed, step=step, prompt_offset=offset, want_logprobs=old,
+                                            env=self.env,
                                             **({"want_topk": cfg.loss.topk} if union else {}))
         if written is not prompts:
             ro = ro.with_prompts(prompts, self.tok.pad_token_id)
@@ -208,11 +215,21 @@ class Collector:
         """The step's metrics from :meth:`rollouts`' local ones, summed over the ranks (a collective)."""
         local = dict(local)
         reward_sum, n_rows, tokens, *rest = self.ctx.sum(local.pop("sums"))
-        teacher_sums, function_sums = rest[:len(self._sum_names)], rest[len(self._sum_names):]
+        n_env = len(EPISODE_SUMS) if self.env is not None else 0
+        teacher_sums, function_sums = rest[:len(self._sum_names)], rest[len(self._sum_names):len(rest) - n_env]
         out = {"train/reward": reward_sum / n_rows if n_rows else float("nan"),
                "train/response_len": tokens / max(n_rows, 1), "train/generated_tokens": tokens, **local}
         for name, total in zip(self.rewards.names, function_sums):  # reward.functions: each one's mean
             out[f"reward/{name}"] = total / n_rows if n_rows else float("nan")
+        if n_env:  # episodes (SPEC 6.8): per episode, except the shares of calls
+            env = dict(zip(EPISODE_SUMS, rest[len(rest) - n_env:]))
+            per = max(n_rows, 1)
+            out.update({"env/turns": env["turns"] / per, "env/tool_calls": env["tool_calls"] / per,
+                        "env/bad_calls": env["bad_calls"] / max(env["tool_calls"], 1),
+                        "env/tool_errors": env["tool_errors"] / max(env["tool_calls"], 1),
+                        "env/cut_results": env["cut_results"] / max(env["tool_calls"], 1),
+                        "env/used_tool": env["used_tool"] / per,
+                        "env/truncated": env["truncated"] / per, "env/env_tokens": env["env_tokens"] / per})
         if teacher_sums:  # e.g. a cross-tokenizer teacher's counts (SPEC 6.6): over the step's rows on every rank
             out.update(self.teacher.step_metrics(dict(zip(self._sum_names, teacher_sums))))
         return out

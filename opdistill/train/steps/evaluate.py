@@ -15,6 +15,7 @@ rank evaluating a slice of the problems draws exactly what one process would.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
+from opdistill.engines.episodes import run_episodes
 from opdistill.engines.rollout import generate_rollouts
 from opdistill.engines.sampler import Lockstep, lockstep
 from opdistill.runs.values import EvalValues
@@ -62,23 +64,30 @@ def _per_problem(values: torch.Tensor, prompt_index: list[int], num_problems: in
 def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, teacher: Teacher | None = None,
                     temperature: float = 1.0, max_new_tokens: int = 64, greedy: bool = True, sampled: bool = True,
                     topk: int = 8, batch_size: int = 256, use_chat_template: bool = True, seed: int = 1234,
-                    num_samples: int = 1, prompt_offset: int = 0, teacher_prompt=None) -> EvalValues:
+                    num_samples: int = 1, prompt_offset: int = 0, teacher_prompt=None, env=None) -> EvalValues:
     """The per-problem measurements of an evaluation (no statistics; :func:`summarize` turns them into metrics, and
     ``opdistill.train.loop.run_eval`` composes both under data parallelism): see the module docstring.
-    ``teacher_prompt``: problem -> the teacher's own prompt (``teacher.context``, SPEC 6.7), for the teacher's rows."""
+    ``teacher_prompt``: problem -> the teacher's own prompt (``teacher.context``, SPEC 6.7), for the teacher's rows.
+    ``env``: the student's rollouts are episodes in it (SPEC 6.8), scored by their last turn; the teacher measures
+    the student's tokens only."""
     P = len(problems)
     vals = EvalValues(problems=torch.ones(P, dtype=torch.float64))
     if not problems:
         return vals
-    prompts = [render_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template) for p in problems]
+    if env is None:
+        prompts = [render_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template) for p in problems]
+        rollouts = generate_rollouts
+    else:
+        prompts = [env.prompt(p.prompt) for p in problems]
+        rollouts = functools.partial(run_episodes, env=env)
     if greedy:
-        g = generate_rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
+        g = rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, want_logprobs=False)
         vals.greedy_correct = torch.tensor([float(task.score(p, t)) for p, t in zip(problems, g.texts)],
                                            dtype=torch.float64)
     if not sampled:
         return vals
-    s = generate_rollouts(student, tokenizer, prompts, n=num_samples, temperature=temperature,
+    s = rollouts(student, tokenizer, prompts, n=num_samples, temperature=temperature,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, step=0,
                           prompt_offset=prompt_offset, want_logprobs=teacher is not None)
     idx = s.prompt_index

@@ -1,0 +1,123 @@
+"""Episodes through our keyed sampler (SPEC 6.8): the student writes a turn, the environment answers, until it stops.
+
+Design notes
+- Turn by turn over every live episode at once: turn 0 samples ``n`` per prompt as :func:`generate_rollouts` does
+  (the same keys: a one-turn episode is the single response), and turn k > 0 continues each episode from its whole
+  token prefix, keyed by (seed, step, prompt key, sample index, k) (``opdistill.engines.sampler.row_key``). A sample's
+  episode therefore depends on its keys alone, not on the batch, the chunking or the rank that runs it.
+- A turn ends at the student's end-of-sequence token, at ``max_new_tokens`` (the rollout's, per turn) or at the
+  episode's token budget (``env.max_episode_tokens`` after the prompt). A turn that did not end at EOS ends the
+  episode, ``truncated``; so does a turn without a tool call, and the ``max_turns``-th turn.
+  An environment answer that would pass the budget ends the episode, truncated, without it.
+- Each prefix is prefilled again at every turn (no KV cache is kept between turns: it would hold every live
+  episode's cache across the tool calls); the cost is one prefill per turn per episode.
+- The result is a :class:`~opdistill.engines.rollout.RolloutBatch` whose ``response_mask`` is 1 on the student's
+  tokens only: the environment's tokens sit in the row as context (the teacher scores the student's tokens after
+  them) and out of every loss, count and metric. ``texts`` are each episode's last student turn (what the verifier
+  and reward functions read); ``episode_sums`` hold the per-row counts the trainer logs as ``env/*``.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from opdistill.engines.rollout import RolloutBatch, make_batch
+from opdistill.engines.sampler import sample
+from opdistill.env import Environment
+
+__all__ = ["EPISODE_SUMS", "run_episodes"]
+
+#: the per-row counts of ``RolloutBatch.episode_sums``, in this order
+EPISODE_SUMS = ("turns", "tool_calls", "bad_calls", "tool_errors", "cut_results", "used_tool", "truncated",
+                "env_tokens")
+
+
+@dataclass
+class _Episode:
+    prompt: int  # index into the call's prompts
+    sample: int  # j
+    tokens: list = field(default_factory=list)
+    owners: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    topk: list = field(default_factory=list)
+    last: list = field(default_factory=list)  # the last student turn's tokens
+    counts: dict = field(default_factory=lambda: dict.fromkeys(EPISODE_SUMS, 0))
+
+    def add(self, ids, owner: int, logprobs=None, topk=None, width: int = 0):
+        self.tokens += ids
+        self.owners += [owner] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if width:
+            self.topk += topk if topk is not None else [[0] * width for _ in ids]
+
+
+def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *, n: int = 1,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
+                 min_new_tokens: int = 0, greedy: bool = False, batch_size: int | None = None, seed: int | None = None,
+                 step: int = 0, prompt_offset: int = 0, want_logprobs: bool = True, want_texts: bool = True,
+                 want_topk: int = 0) -> RolloutBatch:
+    """``n`` episodes per prompt (``greedy``: one) in ``env``, laid out for training; the arguments are
+    :func:`~opdistill.engines.rollout.generate_rollouts`' (``max_new_tokens``: per turn), the prompts already rendered
+    with the tools listed (:meth:`Environment.prompt`). Module notes."""
+    if not greedy and (top_p < 1.0 or top_k > 0):
+        warnings.warn(f"rollout uses truncated sampling (top_p={top_p}, top_k={top_k}): samples no longer come from "
+                      "the student's distribution, so on-policy objectives become off-policy", stacklevel=2)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    eos, budget = tokenizer.eos_token_id, env.max_episode_tokens
+    kw = dict(eos_id=eos, pad_id=tokenizer.pad_token_id, temperature=temperature, greedy=greedy, top_k=top_k,
+              top_p=top_p, min_new_tokens=min_new_tokens, seed=seed, step=step, batch_size=batch_size,
+              want_logprobs=want_logprobs, want_topk=want_topk)
+    episodes: list[_Episode] = []
+    live: list[_Episode] = []
+    for turn in range(env.max_turns):
+        if turn == 0:
+            out = sample(model, prompts, n=n, max_new_tokens=min(max_new_tokens, budget),
+                         prompt_keys=range(prompt_offset, prompt_offset + len(prompts)), turn=0, **kw)
+            episodes = [_Episode(i, j) for i, j in zip(out.prompt_index, out.sample_index)]
+            live = list(episodes)
+        else:
+            out = sample(model, [prompts[e.prompt] + e.tokens for e in live], n=1,
+                         max_new_tokens=min(max_new_tokens, max(budget - len(e.tokens) for e in live)),
+                         prompt_keys=[prompt_offset + e.prompt for e in live],
+                         sample_indices=[e.sample for e in live], turn=turn, **kw)
+        going = []
+        for r, e in enumerate(live):
+            room = budget - len(e.tokens)
+            ids = out.tokens[r][:room]
+            e.add(ids, 1, out.logprobs[r][:room] if want_logprobs else None,
+                  out.topk_ids[r][:room] if want_topk else None, want_topk)
+            e.last = ids
+            e.counts["turns"] += 1
+            if not ids or ids[-1] != eos:  # cut by max_new_tokens or the budget: the episode ends here, truncated
+                e.counts["truncated"] += 1
+                continue
+            if turn + 1 == env.max_turns:
+                continue
+            answer = env.respond(tokenizer.decode(ids, skip_special_tokens=True))
+            if answer is None:  # no call: the student's answer
+                continue
+            for o in answer.observations:
+                e.counts["tool_calls"] += 1
+                e.counts["bad_calls"] += o.kind == "bad_call"
+                e.counts["tool_errors"] += o.kind == "error"
+                e.counts["cut_results"] += o.cut
+                e.counts["used_tool"] = max(e.counts["used_tool"], int(o.kind == "ok"))
+            if len(e.tokens) + len(answer.ids) >= budget:  # no room for the answer and a turn after it
+                e.counts["truncated"] += 1
+                continue
+            e.add(answer.ids, 0, width=want_topk)
+            e.counts["env_tokens"] += len(answer.ids)
+            going.append(e)
+        live = going
+        if not live:
+            break
+    texts = [tokenizer.decode(e.last, skip_special_tokens=True) for e in episodes] if want_texts else None
+    batch = make_batch([prompts[e.prompt] for e in episodes], [e.tokens for e in episodes],
+                       [e.logprobs for e in episodes], [e.prompt for e in episodes], texts, tokenizer.pad_token_id,
+                       [e.topk for e in episodes] if want_topk else None, owners=[e.owners for e in episodes])
+    batch.episode_sums = torch.tensor([[float(e.counts[k]) for k in EPISODE_SUMS] for e in episodes],
+                                      dtype=torch.float64).reshape(len(episodes), len(EPISODE_SUMS))
+    return batch
