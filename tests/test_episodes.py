@@ -1,0 +1,446 @@
+"""Episodes (SPEC 6.8, issue 36): tools called by name, observations for every bad call, episodes through the keyed
+sampler with the student's tokens alone in the mask, the teacher scoring them in the whole episode, the loss
+independent of how the step is split, and the trainer running it end to end.
+
+The expectations come from the episodes' definition: ``scripted_episode`` lays out prompt, turns and the template's
+tool messages by hand; the teacher's log-probs are a float64 forward of the whole episode."""
+import copy
+import json
+import threading
+
+import pytest
+import torch
+
+from opdistill import DistillationLoss, GlobalBatch, TeacherSampled, shift_for_next_token
+from opdistill.engines.episodes import EPISODE_SUMS, run_episodes
+from opdistill.engines.rollout import generate_rollouts
+from opdistill.env import CallFormat, Environment, Tools
+from opdistill.errors import ConfigError
+from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
+from opdistill.train.run.config import load_config
+from opdistill.train.steps.step import StepData, train_step
+from tests.episode_helpers import CHARS, add, call, echo, memorize, scripted_episode, tiny_model, tool_tokenizer
+
+SCRIPTS = [("2+3", [call("add", a=2, b=3), "5"]), ("4+1", [call("add", a=4, b=1), "5"]), ("hi", ["hi"])]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tool_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def env(tok):
+    return Environment(Tools([add, echo]), tok, max_turns=3, max_episode_tokens=120)
+
+
+@pytest.fixture(scope="module")
+def caller(tok, env):
+    """A tiny model that writes the scripted episodes greedily: a tool call, then the answer after the result."""
+    model = tiny_model(tok, seed=0)
+    memorize(model, tok, [scripted_episode(env, tok, p, t) for p, t in SCRIPTS], steps=400)
+    return model
+
+
+# -- tools: every call's outcome is an observation ---------------------------------------------------------------------
+def test_a_call_runs_the_tool_and_its_result_becomes_text():
+    def info(key: str) -> dict:
+        """Look something up."""
+        return {"key": key, "n": 2}
+
+    def nothing() -> None:
+        return None
+
+    tools = Tools([add, info, nothing])
+    assert tools.call(json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})).text == "5"
+    o = tools.call(json.dumps({"name": "info", "arguments": {"key": "x"}}))
+    assert (o.kind, json.loads(o.text)) == ("ok", {"key": "x", "n": 2})
+    assert tools.call('{"name": "nothing"}').text == "null"  # no arguments: an empty object
+    schema = tools.schemas[0]["function"]
+    assert schema["name"] == "add" and schema["description"] == "Add two integers."
+    assert schema["parameters"]["required"] == ["a", "b"]
+    assert schema["parameters"]["properties"]["a"] == {"type": "integer"}
+
+
+@pytest.mark.parametrize("body, text", [
+    ("add(2, 3)", "error: the tool call is not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[1, 2]", 'error: a tool call is a JSON object {"name": ..., "arguments": {...}}'),
+    ('{"arguments": {}}', 'error: a tool call is a JSON object {"name": ..., "arguments": {...}}'),
+    ('{"name": "nope", "arguments": {}}', 'error: unknown tool "nope" (tools: add, echo)'),
+    ('{"name": "add", "arguments": {"a": 1}}', "error: add: missing argument(s) ['b']"),
+    ('{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}',
+     "error: add: unknown argument(s) ['c'] (it takes ['a', 'b'])"),
+    ('{"name": "add", "arguments": {"a": "1", "b": 2}}',
+     'error: add: argument \'a\': Input should be a valid integer (got "1")'),
+    ('{"name": "add", "arguments": {"a": 1.5, "b": 2}}',
+     "error: add: argument 'a': Input should be a valid integer (got 1.5)"),
+    ('{"name": "add", "arguments": [1, 2]}', 'error: add: a call has "name" and "arguments" (a JSON object) only'),
+    ('{"name": "add", "arguments": {}, "run": "x"}', 'error: add: a call has "name" and "arguments" (a JSON object) '
+                                                     'only'),
+    (None, "error: the tool call was not closed"),
+])
+def test_a_bad_call_is_an_observation_the_student_reads(body, text):
+    o = Tools([add, echo]).call(body)
+    assert (o.kind, o.text) == ("bad_call", text)
+
+
+def test_a_tool_that_raises_hangs_or_returns_no_text_is_an_error_observation():
+    release = threading.Event()
+
+    def boom(x: int) -> str:
+        raise RuntimeError(f"no {x}\nsecond line")
+
+    def hang() -> str:
+        release.wait()
+        return "late"
+
+    def raw() -> bytes:
+        return b"\x00"
+
+    def odd():
+        return object()
+
+    def nan() -> float:
+        return float("nan")
+
+    tools = Tools([boom, hang, raw, odd, nan], timeout_s=0.2)
+    try:
+        assert tools.call('{"name": "boom", "arguments": {"x": 1}}').text == "error: boom raised RuntimeError: no 1"
+        o = tools.call('{"name": "hang"}')
+        assert (o.kind, o.text) == ("error", "error: hang did not answer within 0.2 s")
+    finally:
+        release.set()
+    assert tools.call('{"name": "raw"}').text == ("error: raw returned bytes, not text (a str, a number, a bool, None, "
+                                                  "or JSON lists/dicts)")
+    assert tools.call('{"name": "odd"}').text.startswith("error: odd returned object, not text")
+    assert tools.call('{"name": "nan"}').text.startswith("error: nan returned float, not text")
+    assert {tools.call(f'{{"name": "{n}"}}').kind for n in ("raw", "odd", "nan")} == {"error"}
+
+
+def test_a_huge_result_is_cut_to_the_limit():
+    def big() -> str:
+        return "x" * 5000
+
+    o = Tools([big], max_result_chars=100).call('{"name": "big"}')
+    assert (o.kind, o.text, o.cut) == ("ok", "x" * 100 + " [cut]", True)
+
+
+def test_model_text_is_never_executed(tmp_path):
+    """A call is JSON naming a listed function: what the model writes is data, never code."""
+    marker = tmp_path / "ran"
+    code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    tools = Tools([echo])
+    for body in (code, json.dumps({"name": code}), json.dumps({"name": "__import__", "arguments": {"name": "os"}}),
+                 json.dumps({"name": "echo", "arguments": {"text": code}})):
+        tools.call(body)
+    assert tools.call(json.dumps({"name": "echo", "arguments": {"text": code}})).text == code
+    assert not marker.exists()
+
+
+def test_calls_are_found_between_the_markers():
+    f = CallFormat()
+    assert f.calls("no call here") == []
+    assert f.calls("a <tool_call>1</tool_call> b <tool_call>2</tool_call>") == ["1", "2"]
+    assert f.calls("<tool_call>1</tool_call><tool_call>open") == ["1", None]
+    assert CallFormat("[", "]").calls("x[a][b") == ["a", None]
+    with pytest.raises(ConfigError, match=r"^env.call_open: expected a non-empty marker string, got ' '$"):
+        CallFormat(" ", "]")
+
+
+def test_tools_are_refused_at_load_in_one_line(tmp_path):
+    def star(*xs: int) -> int:
+        return 0
+
+    def untyped_kw(**kw) -> int:
+        return 0
+
+    cases = [
+        (lambda: Tools([]), "env.tools: an environment needs at least one tool"),
+        (lambda: Tools([lambda x: x]), "env.tools: a tool's name must be an identifier, got '<lambda>' (name a lambda "
+                                       "with a dict {name: function})"),
+        (lambda: Tools([add, copy.copy(add)]), "env.tools: two tools are named 'add'"),
+        (lambda: Tools({"x": 3}), "env.tools: 'x' is not callable (int)"),
+        (lambda: Tools([star]), "env.tools: star's parameter 'xs' cannot be given by name; a tool is called with the "
+                                "JSON object's arguments as keywords"),
+        (lambda: Tools([untyped_kw]), "env.tools: untyped_kw takes **kw; a tool names every argument it accepts, so "
+                                      "a call's arguments can be checked"),
+        (lambda: Tools([add], timeout_s=0), "env.tool_timeout_s: expected a finite number > 0, got 0"),
+        (lambda: Tools([add], max_result_chars=0), "env.max_result_chars: expected an int >= 1, got 0"),
+        (lambda: Tools.from_specs(["no_such_module_x:f"]), "env.tools[0]: cannot import 'no_such_module_x'"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert str(e.value).startswith(message), str(e.value)
+        assert "\n" not in str(e.value)
+    f = tmp_path / "my_tools.py"
+    f.write_text("def twice(x: int) -> int:\n    return 2 * x\n")
+    assert Tools.from_specs([f"{f}:twice"]).call('{"name": "twice", "arguments": {"x": 4}}').text == "8"
+
+
+def test_a_template_that_cannot_carry_an_episode_is_refused(tok):
+    from opdistill.models import char_tokenizer
+
+    plain = char_tokenizer(CHARS)  # concatenates the messages: no call format
+    with pytest.raises(ConfigError, match=r"^env.tools: the chat template of .* has no tool-call format \('<tool_call>"
+                                          r"' appears nowhere in it\); set env.call_open/env.call_close"):
+        Environment(Tools([add]), plain)
+    Environment(Tools([add]), plain, calls_in_prompt=True)  # the prompts teach it; the template writes tool text
+    drops = tool_tokenizer(template="{{ bos_token }}{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}"
+                                    "{% endif %}{% endfor %}<tool_call>")
+    with pytest.raises(ConfigError, match=r"writes no tool messages \(a tool result disappears from its text\)"):
+        Environment(Tools([add]), drops)
+    with pytest.raises(ConfigError, match="^env.tools: .*data.use_chat_template is false$"):
+        Environment(Tools([add]), tok, use_chat_template=False)
+    for bad in ({"max_turns": 0}, {"max_episode_tokens": 0}):
+        with pytest.raises(ConfigError, match=f"^env.{next(iter(bad))}: expected an int >= 1, got 0$"):
+            Environment(Tools([add]), tok, **bad)
+
+
+# -- episodes through the sampler ---------------------------------------------------------------------------------------
+def test_an_episode_is_laid_out_with_the_environment_tokens_out_of_the_mask(tok, env, caller):
+    prompts = [env.prompt(p) for p, _ in SCRIPTS]
+    b = run_episodes(caller, tok, prompts, env, greedy=True, max_new_tokens=80)
+    for r, (p, turns) in enumerate(SCRIPTS):
+        p_ids, ids, owners = scripted_episode(env, tok, p, turns)
+        n = len(p_ids) + len(ids)
+        assert b.input_ids[r, :n].tolist() == p_ids + ids
+        assert b.attention_mask[r].sum() == n
+        assert b.response_mask[r, len(p_ids):n].tolist() == owners  # the student's tokens alone
+        assert b.response_mask[r, :len(p_ids)].sum() == 0 and b.response_mask[r, n:].sum() == 0
+        assert b.texts[r] == turns[-1]  # the last turn: what the verifier reads
+        counts = dict(zip(EPISODE_SUMS, b.episode_sums[r].tolist()))
+        assert counts["turns"] == len(turns) and counts["tool_calls"] == len(turns) - 1
+        assert counts["used_tool"] == (len(turns) > 1) and counts["env_tokens"] == owners.count(0)
+        assert counts["bad_calls"] == counts["truncated"] == 0
+    _, _, owners = scripted_episode(env, tok, *SCRIPTS[0])
+    assert owners[-1] == 1 and 0 in owners  # a hole: the tool's tokens between the two turns
+
+
+def test_episode_limits_end_an_episode_truncated(tok, env, caller):
+    p_ids, ids, owners = scripted_episode(env, tok, *SCRIPTS[0])
+    first = owners.index(0)  # the call turn's length (its EOS included)
+    prompts = [env.prompt(SCRIPTS[0][0])]
+    one = Environment(env.tools, tok, max_turns=1)
+    b = run_episodes(caller, tok, prompts, one, greedy=True, max_new_tokens=80)  # the call is not run
+    assert b.input_ids[0, len(p_ids):len(p_ids) + first].tolist() == ids[:first]
+    assert b.response_mask[0].sum() == first and b.episode_sums[0].tolist()[:2] == [1.0, 0.0]
+    tight = Environment(env.tools, tok, max_episode_tokens=first + 3)  # no room for the result
+    b = run_episodes(caller, tok, prompts, tight, greedy=True, max_new_tokens=80)
+    c = dict(zip(EPISODE_SUMS, b.episode_sums[0].tolist()))
+    assert (c["truncated"], c["env_tokens"], c["tool_calls"]) == (1, 0, 1) and b.response_mask[0].sum() == first
+    cut = Environment(env.tools, tok, max_episode_tokens=10)  # the first turn itself is cut
+    b = run_episodes(caller, tok, prompts, cut, greedy=True, max_new_tokens=80)
+    assert b.response_mask[0].sum() == 10 and b.episode_sums[0, EPISODE_SUMS.index("truncated")] == 1
+
+
+def test_episodes_are_keyed_by_sample_and_turn(tok, env, caller):
+    """Sampling at temperature 1: the same episodes whatever the batch or the rank's share of the prompts, and the
+    first turn is the single response those keys draw."""
+    prompts = [env.prompt(p) for p, _ in SCRIPTS]
+    kw = dict(n=2, temperature=1.0, max_new_tokens=80, seed=5, step=3)
+    whole = run_episodes(caller, tok, prompts, env, **kw)
+    one_by_one = run_episodes(caller, tok, prompts, env, batch_size=1, **kw)
+    rank1 = run_episodes(caller, tok, prompts[1:], env, prompt_offset=1, **kw)
+    for other in (one_by_one,):
+        assert torch.equal(other.input_ids, whole.input_ids) and torch.equal(other.response_mask, whole.response_mask)
+        torch.testing.assert_close(other.sampler_logprobs, whole.sampler_logprobs, rtol=1e-5, atol=1e-5)
+    for r in range(rank1.num_rows):
+        n = int(rank1.attention_mask[r].sum())
+        assert rank1.input_ids[r, :n].tolist() == whole.input_ids[2 + r, :n].tolist()
+    single = generate_rollouts(caller, tok, prompts, max_new_tokens=80, seed=5, step=3, n=2)
+    for r in range(whole.num_rows):
+        first = single.response_mask[r].nonzero().flatten()
+        assert torch.equal(whole.input_ids[r, first], single.input_ids[r, first])
+    assert whole.episode_sums[:, EPISODE_SUMS.index("turns")].max() > 1  # some episodes went on after a tool
+
+
+# -- the teacher and the loss on episodes -------------------------------------------------------------------------------
+def _episode_batch(tok, env, caller, dtype=torch.float64):
+    prompts = [env.prompt(p) for p, _ in SCRIPTS]
+    ro = run_episodes(caller, tok, prompts, env, n=2, temperature=1.0, max_new_tokens=80, seed=1, step=1)
+    return ro
+
+
+def test_a_hand_built_two_turn_episode_matches_the_teachers_scores_and_the_loss(tok, env, caller):
+    """The teacher's log-prob of each student token, scored in the whole episode (tool result before the second
+    turn), and the sampled-token k3 loss, against a float64 forward written out here."""
+    p_ids, ids, owners = scripted_episode(env, tok, *SCRIPTS[0])
+    seq = torch.tensor([p_ids + ids])
+    am = torch.ones_like(seq)
+    rm = torch.tensor([[0] * len(p_ids) + owners])
+    teacher = tiny_model(tok, seed=7)
+    student = copy.deepcopy(caller)
+    # the definition: log q(y_t | whole prefix) at each student-owned token, float64
+    with torch.no_grad():
+        ref_t = torch.log_softmax(copy.deepcopy(teacher).double()(seq).logits[0, :-1], -1)
+        ref_s = torch.log_softmax(copy.deepcopy(student).double()(seq).logits[0, :-1], -1)
+    nxt = seq[0, 1:]
+    student_tok = rm[0, 1:].bool()
+    t_lp = ref_t.gather(-1, nxt[:, None])[:, 0]
+    s_lp = ref_s.gather(-1, nxt[:, None])[:, 0]
+    scores = LocalTeacher(teacher).score(Rows(seq, am, rm), ScoreRequest(k=4, sampled=True))
+    got = scores.sampled_logprobs[0, :-1]
+    torch.testing.assert_close(got[student_tok].double(), t_lp[student_tok], rtol=0, atol=1e-6)
+    assert (got[~student_tok] == 0).all()  # the tool's tokens and the prompt: not scored
+    assert student_tok.sum() == sum(owners) and (~student_tok[len(p_ids) - 1:]).sum() == owners.count(0)
+    # k3 = (r - 1) - log r, r = q / pi, token-mean over the student's tokens
+    log_r = t_lp - s_lp
+    ref_loss = (torch.expm1(log_r) - log_r)[student_tok].mean()
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "loss": {"loss_mode": "sampled",
+                                                                                 "estimator": "k3"}})
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    m = train_step(student, opt, StepData(seq, am, rm, scores), loss_fn=DistillationLoss(cfg.loss),
+                   micro_batch_tokens=10**6, grad_clip=None)
+    assert m["distillation/loss"] == pytest.approx(float(ref_loss), abs=1e-6)
+    assert m["train/response_tokens"] == sum(owners)
+
+
+def _grads(student, data, budget, loss_cfg):
+    model = copy.deepcopy(student).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m = train_step(model, opt, data, loss_fn=DistillationLoss(loss_cfg), micro_batch_tokens=budget, grad_clip=None)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, m
+
+
+@pytest.mark.parametrize("loss", [{"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4},
+                                  {"loss_mode": "sampled", "estimator": "k3",
+                                   "loss_agg_mode": "seq-mean-token-mean"}])
+def test_an_episode_step_is_the_same_at_any_split_and_the_environment_adds_nothing(tok, env, caller, loss):
+    ro = _episode_batch(tok, env, caller)
+    assert (ro.response_mask[:, 1:] < ro.attention_mask[:, 1:]).any()  # holes inside the episodes
+    teacher = tiny_model(tok, seed=7).double()
+    scores = LocalTeacher(teacher).score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),
+                                         ScoreRequest(k=4, sampled=True))
+    cfg = load_config(base={"model": {"student": "s", "teacher": "t"}, "loss": loss})
+    data = StepData(ro.input_ids, ro.attention_mask, ro.response_mask, scores)
+    big, m_big = _grads(caller, data, 10**6, cfg.loss)
+    small, m_small = _grads(caller, data, 150, cfg.loss)
+    assert m_small["train/micro_batches"] > 2
+    for n in big:
+        torch.testing.assert_close(small[n], big[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert m_small["distillation/loss"] == pytest.approx(m_big["distillation/loss"], rel=1e-10)
+    # the environment's positions carry any scores: the step does not move (prompt, tools and padding are context)
+    env_pos = torch.zeros_like(ro.response_mask, dtype=torch.bool)
+    env_pos[:, :-1] = (ro.response_mask[:, 1:] == 0)
+    noisy = copy.deepcopy(scores)
+    g = torch.Generator().manual_seed(0)
+    noisy.topk.logprobs[env_pos] = -torch.rand(noisy.topk.logprobs[env_pos].shape, generator=g) * 5
+    noisy.topk.ids[env_pos] = torch.randint(0, len(tok), noisy.topk.ids[env_pos].shape, generator=g)
+    noisy.sampled_logprobs[env_pos] = -torch.rand(noisy.sampled_logprobs[env_pos].shape, generator=g) * 5
+    other, m_other = _grads(caller, StepData(ro.input_ids, ro.attention_mask, ro.response_mask, noisy), 10**6,
+                            cfg.loss)
+    for n in big:
+        assert torch.equal(other[n], big[n]), n
+    # and the gradient reaching the logits of an environment position is exactly 0
+    logits = torch.randn(*ro.input_ids.shape, len(tok), dtype=torch.float64, requires_grad=True)
+    targets, mask = shift_for_next_token(ro.input_ids, ro.response_mask)
+    signal = scores.topk if cfg.loss.loss_mode == "topk" else TeacherSampled(scores.sampled_logprobs.double())
+    loss_value, _ = DistillationLoss(cfg.loss)(logits, signal, mask, GlobalBatch.from_masks(mask), sampled_ids=targets)
+    loss_value.backward()
+    assert (logits.grad[~mask.bool()] == 0).all() and logits.grad[mask.bool()].abs().sum() > 0
+
+
+def test_each_turn_has_its_own_key_and_turn_0_is_the_single_response_key():
+    import hashlib
+
+    from opdistill.engines.sampler import row_key
+
+    old = int.from_bytes(hashlib.blake2b(b"opdistill.sampler:1:2:3:4", digest_size=8).digest(), "little")
+    assert row_key(1, 2, 3, 4) == row_key(1, 2, 3, 4, turn=0) == old
+    assert len({row_key(1, 2, 3, 4, turn=t) for t in range(4)}) == 4
+
+
+# -- the trainer --------------------------------------------------------------------------------------------------------
+def _save(model, tok, path):
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def episode_run(tmp_path_factory, tok, caller):
+    """A config that trains the tool-calling student (a copy of it as the teacher) on episodes, tools from a file."""
+    tmp = tmp_path_factory.mktemp("episodes")
+    (tmp / "tools.py").write_text("def add(a: int, b: int) -> int:\n    \"\"\"Add two integers.\"\"\"\n"
+                                  "    return a + b\n\n\ndef echo(text: str) -> str:\n    return text\n")
+    rows = [{"prompt": p, "answer": t[-1]} for p, t in SCRIPTS[:2]]
+    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    student = _save(caller, tok, tmp / "student")
+    teacher = _save(tiny_model(tok, seed=7), tok, tmp / "teacher")
+    return tmp, {
+        "run_dir": str(tmp / "run"), "model": {"student": student, "teacher": teacher},
+        "data": {"task": "dataset", "path": str(tmp / "rows.jsonl"), "answer_field": "answer", "eval_path":
+                 str(tmp / "rows.jsonl"), "answer_match": "exact", "prompts_per_step": 2},
+        "rollout": {"n": 2, "max_new_tokens": 80},
+        "loss": {"loss_mode": "topk", "support": "tail", "divergence": "reverse", "topk": 4},
+        "optim": {"lr": 1e-4, "warmup_steps": 1},
+        "train": {"steps": 2, "seed": 0, "threads": 1},
+        "eval": {"every": 2, "num_prompts": 2, "batch_size": 2, "sampled": False},
+        "checkpoint": {"every": 2, "keep_last": 1},
+        "log": {"tensorboard": False, "progress": False},
+        "env": {"tools": [f"{tmp / 'tools.py'}:add", f"{tmp / 'tools.py'}:echo"], "max_turns": 3, "max_episode_tokens": 120},
+    }
+
+
+def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run):
+    from opdistill.train import run_training
+
+    tmp, base = episode_run
+    summary = run_training(load_config(base=base), quiet=True)
+    lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "env/turns" in m]
+    assert len(steps) == 2
+    for m in steps:
+        for k in ("env/tool_calls", "env/bad_calls", "env/tool_errors", "env/cut_results", "env/used_tool",
+                  "env/truncated", "env/env_tokens"):
+            assert k in m, k
+        assert m["env/turns"] > 1 and m["env/tool_calls"] > 0  # the student calls the tool, the run answers it
+        assert m["env/used_tool"] > 0 and m["env/bad_calls"] < 1
+    # the memorised student solves both held-out problems through the tool, greedily, at the start
+    assert summary["eval_history"][0]["eval/greedy_acc"] == 1.0
+
+
+def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_run, tmp_path):
+    from opdistill.train.run.rules import check_config
+
+    tmp, base = episode_run
+    why = "with env.tools (episodes run on our own sampler, one tokenizer, rows the run samples: docs/episodes.md)"
+    for change, message in [
+        ({"rollout": {"engine": "vllm"}}, f"rollout.engine: expected hf {why}, got 'vllm'"),
+        ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
+        ({"xtok": {"mode": "bpm"}}, f"xtok.mode: expected off {why}, got 'bpm'"),
+        ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),
+    ]:
+        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+        for section, values in change.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
+        with pytest.raises(ConfigError) as e:
+            check_config(load_config(base=cfg))
+        assert str(e.value) == message
+    from opdistill.train import run_training
+
+    with pytest.raises(ConfigError, match=r"^tools: 1 given in Python and env.tools=\[.*\] in the config; name the "
+                                          r"tools in one place$"):
+        run_training(load_config(base={**base, "run_dir": str(tmp_path / "r")}), tools=[add], quiet=True)
+
+
+def test_opdistill_check_reads_the_tools_and_the_template(episode_run, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    tmp, base = episode_run
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(base))
+    r = subprocess.run([sys.executable, "-m", "opdistill.cli", "check", "--config", str(good)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**base, "env": {**base["env"], "tools": [f"{tmp / 'tools.py'}:nope"]}}))
+    r = subprocess.run([sys.executable, "-m", "opdistill.cli", "check", "--config", str(bad)], capture_output=True,
+                       text=True)
+    errors = [x for x in r.stderr.strip().splitlines() if not x.startswith("opdistill: warning: ")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert "env.tools[0]: " in r.stderr and "has no attribute 'nope'" in r.stderr
