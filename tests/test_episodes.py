@@ -383,11 +383,16 @@ def episode_run(tmp_path_factory, tok, caller):
     }
 
 
-def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run):
+@pytest.mark.parametrize("change", [{}, {"train": {"max_staleness": 1}, "rollout": {"correction": "none"}}],
+                         ids=["sequential", "pipelined"])
+def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run, change):
     from opdistill.train import run_training
 
     tmp, base = episode_run
-    summary = run_training(load_config(base=base), quiet=True)
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for section, values in change.items():
+        cfg[section] = {**cfg[section], **values}
+    summary = run_training(load_config(base=cfg), quiet=True, overwrite=True)
     lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "env/turns" in m]
     assert len(steps) == 2

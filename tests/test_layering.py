@@ -17,9 +17,10 @@ LAYERS = [
     ["opdistill.loss.distillation"],
     ["opdistill.loss", "opdistill"],  # the package root re-exports the loss layer and below
     ["opdistill.xtok"],  # tokens as bytes and the cross-tokenizer mapping (SPEC 6.6)
-    ["opdistill.models", "opdistill.data"],
+    ["opdistill.models", "opdistill.data", "opdistill.env"],
     ["opdistill.engines.sampler"],  # where student tokens come from, bottom-up
     ["opdistill.engines.rollout"],
+    ["opdistill.engines.episodes"],
     ["opdistill.engines.vllm", "opdistill.engines"],
     # where teacher scores come from: the interface and the shared codecs, one class per source, the one choice
     ["opdistill.teachers.base", "opdistill.teachers.fingerprint", "opdistill.teachers.http", "opdistill.teachers.wire",

@@ -605,3 +605,21 @@ def test_a_server_on_the_trainers_machine_leaves_it_half_the_cores(monkeypatch, 
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert default_threads(host) == want
+
+
+def test_an_episode_row_is_scored_on_the_students_tokens_only(models, server):
+    """An episode (SPEC 6.8): the environment's tokens sit inside the response as context, out of the response mask;
+    the server scores the student's tokens after them, exactly as the in-process teacher does, and nothing at them."""
+    tmp, cfg, token_file = models
+    teacher = load_model(cfg["model"]["teacher"])
+    ids, am, rm = _rows(V=teacher.config.vocab_size, S=14)
+    rm[:, 6:9] = 0  # a tool's result between two student turns
+    keep = _keep(rm)
+    assert keep[:, 4].all() and not keep[:, 5:8].any() and keep[:, 8].all()
+    torch.set_num_threads(1)
+    ref = LocalTeacher(teacher).score(Rows(ids, am, rm), ScoreRequest(k=4, sampled=True))
+    with RemoteTeacher(server, token_file=str(token_file)) as c:
+        s = c.score(Rows(ids, am, rm), ScoreRequest(k=4, sampled=True))
+    assert torch.equal(s.topk.ids, ref.topk.ids) and torch.equal(s.topk.logprobs, ref.topk.logprobs)
+    assert torch.equal(s.sampled_logprobs, ref.sampled_logprobs)
+    assert (s.topk.logprobs[~keep] == float("-inf")).all() and (s.sampled_logprobs[~keep] == 0).all()

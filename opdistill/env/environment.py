@@ -14,6 +14,7 @@ extend the one without, cannot carry an episode: refused when the environment is
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from opdistill.env.tools import CallFormat, Observation, Tools
@@ -42,7 +43,9 @@ class Environment:
             raise ConfigError(f"env.max_turns: expected an int >= 1, got {max_turns!r}")
         if isinstance(max_episode_tokens, bool) or not isinstance(max_episode_tokens, int) or max_episode_tokens < 1:
             raise ConfigError(f"env.max_episode_tokens: expected an int >= 1, got {max_episode_tokens!r}")
-        self.tools, self.tokenizer, self.format = tools, tokenizer, call_format
+        # its own copy: the pipelined step runs episodes in its thread while an evaluation runs them in the trainer's,
+        # and a fast tokenizer refuses two threads at once
+        self.tools, self.tokenizer, self.format = tools, copy.deepcopy(tokenizer), call_format
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         template = getattr(tokenizer, "chat_template", None) if use_chat_template else None
         name = getattr(tokenizer, "name_or_path", "") or "the student's tokenizer"
