@@ -166,7 +166,10 @@ def test_tools_are_refused_at_load_in_one_line(tmp_path):
                                       "a call's arguments can be checked"),
         (lambda: Tools([add], timeout_s=0), "env.tool_timeout_s: expected a finite number > 0, got 0"),
         (lambda: Tools([add], max_result_chars=0), "env.max_result_chars: expected an int >= 1, got 0"),
-        (lambda: Tools.from_specs(["no_such_module_x:f"]), "env.tools[0]: cannot import 'no_such_module_x'"),
+        (lambda: Tools.from_specs(["no_such_module_x:f"]), "env.tools.0: cannot import 'no_such_module_x'"),
+        (lambda: Tools.from_specs(["os.path:join", "posixpath:join"]),
+         "env.tools.1: a second tool named 'join' (env.tools.0 is the first); the model calls a tool by its function's "
+         "name"),
     ]
     for make, message in cases:
         with pytest.raises(ConfigError) as e:
@@ -197,7 +200,7 @@ def test_a_template_that_cannot_carry_an_episode_is_refused(tok):
             Environment(Tools([add]), tok, **bad)
 
 
-# -- episodes through the sampler ---------------------------------------------------------------------------------------
+# -- episodes through the sampler --------------------------------------------------------------------------------------
 def test_an_episode_is_laid_out_with_the_environment_tokens_out_of_the_mask(tok, env, caller):
     prompts = [env.prompt(p) for p, _ in SCRIPTS]
     b = run_episodes(caller, tok, prompts, env, greedy=True, max_new_tokens=80)
@@ -255,7 +258,7 @@ def test_episodes_are_keyed_by_sample_and_turn(tok, env, caller):
     assert whole.episode_sums[:, EPISODE_SUMS.index("turns")].max() > 1  # some episodes went on after a tool
 
 
-# -- the teacher and the loss on episodes -------------------------------------------------------------------------------
+# -- the teacher and the loss on episodes ------------------------------------------------------------------------------
 def _episode_batch(tok, env, caller, dtype=torch.float64):
     prompts = [env.prompt(p) for p, _ in SCRIPTS]
     ro = run_episodes(caller, tok, prompts, env, n=2, temperature=1.0, max_new_tokens=80, seed=1, step=1)
@@ -351,7 +354,7 @@ def test_each_turn_has_its_own_key_and_turn_0_is_the_single_response_key():
     assert len({row_key(1, 2, 3, 4, turn=t) for t in range(4)}) == 4
 
 
-# -- the trainer --------------------------------------------------------------------------------------------------------
+# -- the trainer -------------------------------------------------------------------------------------------------------
 def _save(model, tok, path):
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
@@ -379,12 +382,13 @@ def episode_run(tmp_path_factory, tok, caller):
         "eval": {"every": 2, "num_prompts": 2, "batch_size": 2, "sampled": False},
         "checkpoint": {"every": 2, "keep_last": 1},
         "log": {"tensorboard": False, "progress": False},
-        "env": {"tools": [f"{tmp / 'tools.py'}:add", f"{tmp / 'tools.py'}:echo"], "max_turns": 3, "max_episode_tokens": 120},
+        "env": {"tools": [f"{tmp / 'tools.py'}:add", f"{tmp / 'tools.py'}:echo"], "max_turns": 3,
+                "max_episode_tokens": 120},
     }
 
 
-@pytest.mark.parametrize("change", [{}, {"train": {"max_staleness": 1}, "rollout": {"correction": "none"}}],
-                         ids=["sequential", "pipelined"])
+@pytest.mark.parametrize("change", [{}, {"train": {"max_staleness": 1}, "rollout": {"correction": "none"}},
+                                    {"env": {"tools": []}}], ids=["sequential", "pipelined", "tools-in-python"])
 def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run, change):
     from opdistill.train import run_training
 
@@ -392,7 +396,8 @@ def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     for section, values in change.items():
         cfg[section] = {**cfg[section], **values}
-    summary = run_training(load_config(base=cfg), quiet=True, overwrite=True)
+    given = {"tools": {"add": add, "echo": echo}} if change.get("env") else {}  # run_training(tools=...)
+    summary = run_training(load_config(base=cfg), quiet=True, overwrite=True, **given)
     lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "env/turns" in m]
     assert len(steps) == 2
@@ -416,6 +421,8 @@ def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_
         ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
         ({"xtok": {"mode": "bpm"}}, f"xtok.mode: expected off {why}, got 'bpm'"),
         ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),
+        ({"teacher": {"context": {"examples": 1}}},
+         f"teacher.context: expected null {why}; a teacher prompt that lists the tools is not built yet, got 'set'"),
     ]:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
         for section, values in change.items():
@@ -448,4 +455,4 @@ def test_opdistill_check_reads_the_tools_and_the_template(episode_run, tmp_path)
                        text=True)
     errors = [x for x in r.stderr.strip().splitlines() if not x.startswith("opdistill: warning: ")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr
-    assert "env.tools[0]: " in r.stderr and "has no attribute 'nope'" in r.stderr
+    assert "env.tools.0: " in r.stderr and "has no attribute 'nope'" in r.stderr

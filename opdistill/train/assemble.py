@@ -370,7 +370,7 @@ def build_rewards(cfg: TrainerConfig, task: Task, given: tuple = ()) -> Rewards:
                    key="rewards" if given else "reward.functions")
 
 
-def build_env(cfg: TrainerConfig, tok, given: tuple = ()) -> Environment | None:
+def build_env(cfg: TrainerConfig, tok, given: tuple | dict = ()) -> Environment | None:
     """The environment of a run's episodes (SPEC 6.8; opdistill/env): ``env.tools`` or the callables a Python caller
     handed in (``given``), imported and their signatures checked, the student's chat template checked for tool
     messages; None without tools (single responses)."""
@@ -403,7 +403,7 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") 
                          held_out=len(held_out))
     if context is not None:
         check_context(cfg, context, tok, student_info, teacher_infos, source, held_out)
-    env = build_env(cfg, tok, tuple(given.tools))
+    env = build_env(cfg, tok, given.tools)
     return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards, env
 
 
@@ -478,7 +478,7 @@ class Given:
     task: Task | None = None
     rewards: tuple = ()
     callbacks: tuple = ()
-    tools: tuple | dict = ()  # the environment's tools (callables; a dict's items: (name, callable)), in place of env.tools
+    tools: tuple | dict = ()  # the environment's tools (callables, or {name: callable}), in place of env.tools
 
 
 def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: bool, overwrite: bool, models=None,

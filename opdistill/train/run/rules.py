@@ -17,8 +17,8 @@ from typing import Any
 from opdistill.errors import ConfigError, quote
 from opdistill.teachers.build import teacher_sources
 
-__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_env", "check_layout", "check_urls", "lora_targets",
-           "no_credentials", "redact_url"]
+__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_env", "check_layout", "check_urls",
+           "lora_targets", "no_credentials", "redact_url"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -311,8 +311,8 @@ def check_env(cfg, active: bool) -> None:
     _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
     _need(cfg.xtok.mode == "off", "xtok.mode", f"off {why}", cfg.xtok.mode)
     _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)
-    _need(not (cfg.train.method == "off_policy" and cfg.teacher.context is not None), "teacher.context",
-          f"null with train.method off_policy {why}", "set")
+    _need(cfg.teacher.context is None, "teacher.context", f"null {why}; a teacher prompt that lists the tools is not "
+          "built yet", "set")
 
 
 def _env(cfg) -> None:
