@@ -95,8 +95,8 @@ def _cmd_demo(args):
     from opdistill.demo import run_demo
 
     seeds = args.seeds
-    run_demo(args.out, budget_s=args.budget_s, seeds=seeds, eval_every=args.eval_every,
-             eval_prompts=args.eval_prompts, threads=args.threads)
+    run_demo(args.out or ("runs/demo_tools" if args.tools else "runs/demo"), budget_s=args.budget_s, seeds=seeds,
+             eval_every=args.eval_every, eval_prompts=args.eval_prompts, threads=args.threads, tools=args.tools)
 
 
 def _cmd_eval(args):
@@ -293,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compare on-policy distillation, off-policy KD and RL on a toy task",
                        description="Runs on a laptop CPU in about 10 minutes, prints a table (saved to OUT) and draws "
                                    "OUT/demo.png.")
-    d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    d.add_argument("--out", default=None, help="output folder (default runs/demo, runs/demo_tools with --tools)")
+    d.add_argument("--tools", action="store_true", help="the demo environment instead: lookup_add, whose answer "
+                   "needs a tool call; episodes over several turns (docs/episodes.md)")
     d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
     d.add_argument("--seeds", type=_seeds, default=(0, 1), help="comma-separated seeds (default 0,1)")
     d.add_argument("--eval-every", type=_int_at_least(1), default=20, help="evaluate every N steps (default 20)")

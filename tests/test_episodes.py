@@ -456,3 +456,46 @@ def test_opdistill_check_reads_the_tools_and_the_template(episode_run, tmp_path)
     errors = [x for x in r.stderr.strip().splitlines() if not x.startswith("opdistill: warning: ")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr
     assert "env.tools.0: " in r.stderr and "has no attribute 'nope'" in r.stderr
+
+
+# -- the demo environment (lookup_add) ---------------------------------------------------------------------------------
+def test_lookup_add_needs_the_tool_and_its_worked_episode_solves_it():
+    import random
+
+    from opdistill.data import LookupAdditionTask, lookup_value, make_task
+    from opdistill.env.demo import TOOL_CHARS, TOOL_TEMPLATE, demo_environment, f
+    from opdistill.models import char_tokenizer
+
+    values = [lookup_value(k) for k in range(1000)]
+    assert min(values) >= 100 and max(values) <= 999 and len(set(values)) > 500  # a table, not a formula of k
+    assert lookup_value(137) == 532 and f(137) == 532  # fixed across versions and processes (a hash)
+    task = make_task("lookup_add")
+    assert isinstance(task, LookupAdditionTask)
+    p = task.sample(random.Random(1))
+    k, b = int(p.prompt[2:p.prompt.index(")")]), int(p.prompt.split("+")[1][:-1])
+    assert p.prompt == f"f({k})+{b}=" and p.answer == str(lookup_value(k) + b)
+    assert str(lookup_value(k)) not in p.prompt.split("+")[0]  # the value is in no prompt
+    tok = char_tokenizer(TOOL_CHARS, chat_template=TOOL_TEMPLATE)
+    env = demo_environment(tok)
+    call_turn, answer_turn = task.script(p)
+    answer = env.respond(call_turn)
+    assert [o.text for o in answer.observations] == [str(lookup_value(k))]
+    assert tok.decode(answer.ids) == f"{lookup_value(k)};"
+    assert task.score(p, answer_turn) == 1.0 and task.score(p, call_turn) == 0.0
+    assert env.respond('[{"name":"f","arguments":{"k":1000}}]').observations[0].text == (
+        "error: f raised ValueError: no key 1000: keys are 0 to 999")
+    assert env.respond(answer_turn) is None  # the answer calls nothing: the episode ends
+
+
+def test_the_shipped_tools_config_matches_the_demo_environment():
+    """configs/demo_tools.yaml is the tools demo's on-policy run (opdistill demo --tools builds the same)."""
+    from pathlib import Path
+
+    from opdistill.demo import demo_config
+    from opdistill.env.demo import ENV_CONFIG
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo_tools.yaml")
+    demo = load_config(base=demo_config(Path("x"), "on_policy", 0, 60.0, 25, 200, 1, tools=True))
+    assert cfg.env.model_dump() == demo.env.model_dump() == {**cfg.env.model_dump(), **ENV_CONFIG}
+    assert (cfg.model.student, cfg.model.teacher, cfg.data.task) == (demo.model.student, demo.model.teacher,
+                                                                      "lookup_add")

@@ -9,14 +9,33 @@ from opdistill.models import resolve_model_path
 from opdistill.runs.stats import paired_difference
 
 
-def test_packaged_demo_models_are_small_and_load():
-    for name in ("builtin:demo-teacher", "builtin:demo-student"):
+@pytest.mark.parametrize("pair", ["demo-", "demo-tool-"])
+def test_packaged_demo_models_are_small_and_load(pair):
+    for name in (f"builtin:{pair}teacher", f"builtin:{pair}student"):
         path = resolve_model_path(name)
         model = load_model(path)
         assert sum(p.numel() for p in model.parameters()) < 1_000_000
-    t = load_model(resolve_model_path("builtin:demo-teacher"))
-    s = load_model(resolve_model_path("builtin:demo-student"))
+    t = load_model(resolve_model_path(f"builtin:{pair}teacher"))
+    s = load_model(resolve_model_path(f"builtin:{pair}student"))
     assert s.config.num_hidden_layers < t.config.num_hidden_layers
+
+
+def test_the_tools_demo_runs_episodes_and_reports_tool_use(tmp_path):
+    """``opdistill demo --tools``: the packaged tool-using teacher solves lookup_add through its tool, every method
+    runs episodes, and the table and figure carry the share of episodes that used the tool and of bad calls."""
+    lines = []
+    res = run_demo(tmp_path, budget_s=1.0, seeds=(0,), eval_every=2, eval_prompts=8, threads=1, log=lines.append,
+                   tools=True)
+    assert res["teacher"]["eval/greedy_acc"] >= 0.75  # through the tool: no prompt holds the value
+    table = (tmp_path / "demo_table.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| method |"))
+    assert header.endswith("| episodes using the tool | bad calls |")
+    for method in ("on_policy", "off_policy", "rl"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {method} | 0 |"))
+        assert row.count("->") == 5, row  # greedy, sampled, teacher-KL, tool use, bad calls: first -> last
+        first = json.loads((tmp_path / f"{method}-seed0" / "metrics.jsonl").read_text().splitlines()[1])
+        assert "env/used_tool" in first and "env/bad_calls" in first
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_runs_and_writes_the_table(tmp_path, capfd):

@@ -105,7 +105,15 @@ def _configs(tmp: Path) -> dict:
                              "teacher": make_model_dir(tmp / "g_teacher", hidden=32, layers=2, seed=1,
                                                        arch="gemma3")},
              "train": {**on["train"], "steps": 3}, "checkpoint": {"every": 0, "save_final": False}}
-    return {"dsharded": dsharded, "on": on, "ctx": ctx, "gemma": gemma, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
+    # episodes (SPEC 6.8): the packaged tool-using pair in the demo environment (lookup_add: a tool call, its result,
+    # the answer); each rank runs its prompts' episodes, keyed by the global prompt index and the turn
+    from opdistill.env.demo import ENV_CONFIG
+
+    ep = {**on, "model": {"student": "builtin:demo-tool-student", "teacher": "builtin:demo-tool-teacher"},
+          "data": {"task": "lookup_add", "prompts_per_step": 4}, "env": ENV_CONFIG,
+          "rollout": {"n": 2, "max_new_tokens": 48}, "optim": {**common["optim"], "lr": 1e-3},
+          "train": {**on["train"], "steps": 3}, "checkpoint": {"every": 0, "save_final": False}}
+    return {"ep": ep, "dsharded": dsharded, "on": on, "ctx": ctx, "gemma": gemma, "off": off, "rl": rl, "sampled": sampled, "on64": on64, "mt": mt,
             "on_tshard": on_tshard, "xtok": xtok,
             "on_s1": s1(on), "on_s1_tshard": on_s1_tshard, "on64_s1": s1(on64, steps=3)}
 
@@ -209,6 +217,7 @@ def runs(tmp_path_factory):
         {"name": "tp_on64_s1", "config": _with_run_dir(_tp(cfgs["on64_s1"]), tmp / "tp_on64_s1")},
         {"name": "xtok", "config": _with_run_dir(cfgs["xtok"], tmp / "w2_xtok")},
         {"name": "ctx", "config": _with_run_dir(cfgs["ctx"], tmp / "w2_ctx")},
+        {"name": "ep", "config": _with_run_dir(cfgs["ep"], tmp / "w2_ep")},
         {"name": "gemma", "config": _with_run_dir(cfgs["gemma"], tmp / "w2_gemma")},
         {"name": "gemma_dsharded", "config": _with_run_dir({**cfgs["gemma"], "distributed": {"decode": "sharded"}},
                                                            tmp / "w2_gemma_dsharded")},
@@ -225,12 +234,12 @@ def runs(tmp_path_factory):
     launch("tests.distributed_trainer:run_plan", 2, str(out))
     print(f"world-2 launch: {time.monotonic() - t0:.1f} s")
     for name in ("off", "rl", "sampled", "mt", "on_tshard", "on_s1", "on64_s1", "dsharded", "xtok", "ctx",
-                 "gemma"):
+                 "gemma", "ep"):
         tokens1[name] = _run_world1(name, cfgs[name], tmp / f"w1_{name}")
     return tmp, cfgs, tokens1
 
 
-@pytest.mark.parametrize("name", ["on", "off", "rl", "mt", "ctx"])
+@pytest.mark.parametrize("name", ["on", "off", "rl", "mt", "ctx", "ep"])
 def test_world2_samples_and_losses_equal_world1(runs, name):
     tmp, _, tokens1 = runs
     assert _world2_tokens(tmp / "out", name) == tokens1[name]  # the same sampled tokens, prompt by prompt
@@ -239,6 +248,12 @@ def test_world2_samples_and_losses_equal_world1(runs, name):
     assert len(w1) == {"on": 4, "mt": 2}.get(name, 3)
     assert all(gn > 0 for *_, gn in w1)  # a real gradient every step (an all-zero one would compare trivially)
     _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)
+    if name == "ep":  # episodes: the environment's counts are reduced over the ranks too, and tools were called
+        env1 = [{k: v for k, v in r.items() if k.startswith("env/")} for r in read_metrics(tmp / "w1_ep")
+                if "env/turns" in r]
+        env2 = [{k: v for k, v in r.items() if k.startswith("env/")} for r in read_metrics(tmp / "w2_ep")
+                if "env/turns" in r]
+        assert env2 == env1 and all(r["env/env_tokens"] > 0 for r in env1)
     # exactly one metrics line per step (plus the evaluations before the first and after the last step)
     steps = [r["step"] for r in read_metrics(tmp / f"w2_{name}") if "train/grad_norm" in r]
     assert steps == list(range(1, len(w1) + 1))

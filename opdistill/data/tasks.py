@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from opdistill.errors import ConfigError, DataError
 
 __all__ = ["Problem", "Task", "CarryAdditionTask", "GsmSymbolicTask", "ReasoningGymTask", "MixedTask", "make_task",
-           "CARRY_ADD_CHARS"]
+           "CARRY_ADD_CHARS", "LookupAdditionTask", "lookup_value"]
 
 CARRY_ADD_CHARS = "0123456789+=,>"
 
@@ -103,6 +103,46 @@ class CarryAdditionTask(Task):
 
     def score(self, problem: Problem, completion: str) -> float:
         # Only the final sum counts: the text after the last '>'; the worked columns are not graded.
+        tail = completion.rsplit(">", 1)
+        return float(len(tail) == 2 and tail[1].strip() == problem.answer)
+
+
+def lookup_value(k: int) -> int:
+    """The hidden table of ``lookup_add``: a fixed 3-digit value per key 0..999 (a hash: no model can derive it, a
+    model that never calls the tool can only guess it)."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"opdistill.lookup:{int(k)}".encode(), digest_size=8).digest()
+    return 100 + int.from_bytes(digest, "little") % 900
+
+
+class LookupAdditionTask(Task):
+    """``f(k)+b=``: add ``b`` to the value a tool holds for key ``k`` (the demo environment of SPEC 6.8: the value
+    is in no prompt, so only an episode that calls ``f``, ``opdistill.env.demo:f``, can answer). The worked episode
+    (:meth:`script`): a call, then the worked addition of the result and ``b`` (carry_add's columns)."""
+
+    name = "lookup_add"
+
+    def __init__(self, min_digits: int = 3, max_digits: int = 3):
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"lookup_add: expected 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        self.min_digits, self.max_digits = min_digits, max_digits
+
+    def sample(self, rng: random.Random) -> Problem:
+        k = rng.randint(0, 999)
+        d = rng.randint(self.min_digits, self.max_digits)
+        b = rng.randint(10 ** (d - 1), 10**d - 1)
+        v = lookup_value(k)
+        return Problem(prompt=f"f({k})+{b}=", answer=str(v + b),
+                       solution=CarryAdditionTask.worked_solution(v, b))
+
+    @staticmethod
+    def script(problem: Problem) -> list[str]:
+        """The worked episode's student turns: the call (compact JSON between ``[`` and ``]``), then the solution."""
+        k = int(problem.prompt[2:problem.prompt.index(")")])
+        return ['[{"name":"f","arguments":{"k":%d}}]' % k, problem.solution]
+
+    def score(self, problem: Problem, completion: str) -> float:
         tail = completion.rsplit(">", 1)
         return float(len(tail) == 2 and tail[1].strip() == problem.answer)
 
@@ -286,7 +326,7 @@ class MixedTask(Task):
 def make_task(name: str, /, **kwargs) -> Task:
     """The task ``name`` built with ``kwargs`` (``data.task_args``); a bad argument is a ConfigError naming the key."""
     tasks = {"carry_add": CarryAdditionTask, "gsm_symbolic": GsmSymbolicTask, "reasoning_gym": ReasoningGymTask,
-             "mix": MixedTask}
+             "mix": MixedTask, "lookup_add": LookupAdditionTask}
     if name == "reasoning_gym" and "name" not in kwargs:
         raise ConfigError("data.task_args.name: expected a reasoning-gym task name (e.g. leg_counting), got nothing")
     if name == "reasoning_gym":  # the task's own config keys pass through

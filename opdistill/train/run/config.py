@@ -70,7 +70,7 @@ class ModelConfig(_Section):
     teacher_sharded: bool = False  # FSDP2-shard the teacher over the data-parallel ranks (forward only); false: replicated
 
 class DataConfig(_Section):
-    task: Literal["carry_add", "gsm_symbolic", "reasoning_gym", "dataset", "mix"] = "carry_add"  # mix: task_args.tasks
+    task: Literal["carry_add", "lookup_add", "gsm_symbolic", "reasoning_gym", "dataset", "mix"] = "carry_add"  # mix: task_args.tasks
     task_args: dict = {}  # keyword arguments of the task generator (reasoning_gym: {name: TASK, size, seed, ...})
     path: Optional[str] = None  # task "dataset": a jsonl/json/csv/parquet file, a dataset folder or a hub name
     prompt_field: str = "prompt"
