@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "OUT/demo.png.")
     d.add_argument("--out", default=None, help="output folder (default runs/demo, runs/demo_tools with --tools)")
     d.add_argument("--tools", action="store_true", help="the demo environment instead: lookup_add, whose answer "
-                   "needs a tool call; episodes over several turns (docs/episodes.md)")
+                   "needs a tool call; episodes over several turns (docs/episodes.md; default: off, carry_add)")
     d.add_argument("--budget-s", type=float, default=60.0, help="training seconds per method and seed (default 60)")
     d.add_argument("--seeds", type=_seeds, default=(0, 1), help="comma-separated seeds (default 0,1)")
     d.add_argument("--eval-every", type=_int_at_least(1), default=20, help="evaluate every N steps (default 20)")

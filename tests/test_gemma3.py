@@ -181,7 +181,8 @@ def test_unknown_builtins_list_every_builtin():
     from opdistill.models import resolve_model_path
 
     with pytest.raises(ValueError, match=r"known: \['builtin:demo-teacher', 'builtin:demo-student', "
-                                         r"'builtin:demo-teacher-bpe', 'builtin:smollm2', 'builtin:gemma3-270m'\]"):
+                                         r"'builtin:demo-teacher-bpe', 'builtin:demo-tool-teacher', "
+                                         r"'builtin:demo-tool-student', 'builtin:smollm2', 'builtin:gemma3-270m'\]"):
         resolve_model_path("builtin:gemma")
 
 

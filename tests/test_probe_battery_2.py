@@ -341,7 +341,8 @@ def test_probe_9_serve_teacher_arguments_are_one_line(tmp_path, capsys):
     assert main(["serve-teacher", "--model", "builtin:../../etc"]) == 2
     assert _err(capsys) == ["opdistill serve-teacher: serve error: --model: unknown builtin 'builtin:../../etc' "
                             "(known: ['builtin:demo-teacher', 'builtin:demo-student', 'builtin:demo-teacher-bpe', "
-                            "'builtin:smollm2', 'builtin:gemma3-270m'])"]
+                            "'builtin:demo-tool-teacher', 'builtin:demo-tool-student', 'builtin:smollm2', "
+                            "'builtin:gemma3-270m'])"]
     bad = tmp_path / "token"
     bad.write_bytes(b"\xff\xfe\x00secret")  # was a UnicodeDecodeError traceback
     assert main(["serve-teacher", "--model", "builtin:demo-teacher", "--token-file", str(bad)]) == 2
