@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from opdistill.data import PromptSource
+from opdistill.env.demo import ENV_CONFIG
 from opdistill.runs.compare import Group, load_runs, metric_sums, plot_groups, read_values
 from opdistill.runs.outputs import check_output_path
 from opdistill.runs.stats import paired_difference
@@ -51,8 +52,6 @@ def demo_config(out_dir: Path, method: str, seed: int, budget_s: float, eval_eve
                 threads: int, tools: bool = False) -> dict:
     """One run of the demo; ``tools``: the demo environment's (lookup_add, whose answer needs a tool call:
     opdistill/env/demo.py, docs/episodes.md), with the tool-using pair and episodes in place of single responses."""
-    from opdistill.env.demo import ENV_CONFIG
-
     pair = "demo-tool-" if tools else "demo-"
     return {
         "run_dir": str(out_dir / f"{method}-seed{seed}"),

@@ -142,9 +142,7 @@ class LookupAdditionTask(Task):
         k = int(problem.prompt[2:problem.prompt.index(")")])
         return ['[{"name":"f","arguments":{"k":%d}}]' % k, problem.solution]
 
-    def score(self, problem: Problem, completion: str) -> float:
-        tail = completion.rsplit(">", 1)
-        return float(len(tail) == 2 and tail[1].strip() == problem.answer)
+    score = CarryAdditionTask.score  # the final sum after the last '>' of the last turn
 
 
 class GsmSymbolicTask(Task):

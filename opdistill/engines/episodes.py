@@ -18,12 +18,11 @@ Design notes
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from opdistill.engines.rollout import RolloutBatch, make_batch
+from opdistill.engines.rollout import RolloutBatch, make_batch, warn_off_policy
 from opdistill.engines.sampler import sample
 from opdistill.env import Environment
 
@@ -61,9 +60,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
     """``n`` episodes per prompt (``greedy``: one) in ``env``, laid out for training; the arguments are
     :func:`~opdistill.engines.rollout.generate_rollouts`' (``max_new_tokens``: per turn), the prompts already rendered
     with the tools listed (:meth:`Environment.prompt`). Module notes."""
-    if not greedy and (top_p < 1.0 or top_k > 0):
-        warnings.warn(f"rollout uses truncated sampling (top_p={top_p}, top_k={top_k}): samples no longer come from "
-                      "the student's distribution, so on-policy objectives become off-policy", stacklevel=2)
+    warn_off_policy(greedy=greedy, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)  # (per turn)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     eos, budget = tokenizer.eos_token_id, env.max_episode_tokens

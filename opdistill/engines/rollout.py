@@ -21,7 +21,7 @@ import torch
 
 from opdistill.engines.sampler import sample
 
-__all__ = ["RolloutBatch", "generate_rollouts", "make_batch"]
+__all__ = ["RolloutBatch", "generate_rollouts", "make_batch", "warn_off_policy"]
 
 
 @dataclass
@@ -85,6 +85,24 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], response_lo
     return RolloutBatch(ids, attn, resp, lps, prompt_index, texts, top)
 
 
+def warn_off_policy(*, greedy: bool, top_p: float, top_k: int, min_new_tokens: int) -> None:
+    """Warn (at the rollout function's caller) when the sampling settings make the samples off-policy: truncated
+    sampling, or EOS masked before ``min_new_tokens`` (module notes)."""
+    if not greedy and (top_p < 1.0 or top_k > 0):
+        warnings.warn(
+            f"rollout uses truncated sampling (top_p={top_p}, top_k={top_k}): samples no longer come from the "
+            "student's distribution, so on-policy objectives become off-policy",
+            stacklevel=3,
+        )
+    if not greedy and min_new_tokens > 0:
+        warnings.warn(
+            f"rollout masks EOS before min_new_tokens={min_new_tokens} tokens: those samples no longer come from the "
+            "student's distribution, so on-policy objectives become slightly off-policy (the sampler log-probs stay "
+            "the unmasked student's)",
+            stacklevel=3,
+        )
+
+
 def generate_rollouts(model, tokenizer, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0,
                       top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
                       greedy: bool = False, batch_size: int | None = None, seed: int | None = None, step: int = 0,
@@ -98,19 +116,7 @@ def generate_rollouts(model, tokenizer, prompts: list[list[int]], *, n: int = 1,
     leaves ``sampler_logprobs`` zero; ``want_texts=False`` leaves ``texts`` None; ``want_topk`` K > 0 fills
     ``sampler_topk`` with the top-K ids of each response token's distribution.
     """
-    if not greedy and (top_p < 1.0 or top_k > 0):
-        warnings.warn(
-            f"rollout uses truncated sampling (top_p={top_p}, top_k={top_k}): samples no longer come from the "
-            "student's distribution, so on-policy objectives become off-policy",
-            stacklevel=2,
-        )
-    if not greedy and min_new_tokens > 0:
-        warnings.warn(
-            f"rollout masks EOS before min_new_tokens={min_new_tokens} tokens: those samples no longer come from the "
-            "student's distribution, so on-policy objectives become slightly off-policy (the sampler log-probs stay "
-            "the unmasked student's)",
-            stacklevel=2,
-        )
+    warn_off_policy(greedy=greedy, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     pad_id = tokenizer.pad_token_id

@@ -10,6 +10,8 @@ EOS, each tool result followed by ``;``. A call is ``[{"name":"f","arguments":{"
 from __future__ import annotations
 
 from opdistill.data.tasks import CARRY_ADD_CHARS, lookup_value
+from opdistill.env.environment import Environment
+from opdistill.env.tools import CallFormat, Tools
 
 __all__ = ["ENV_CONFIG", "TOOL_CHARS", "TOOL_TEMPLATE", "demo_environment", "f"]
 
@@ -34,9 +36,6 @@ ENV_CONFIG = {"tools": ["opdistill.env.demo:f"], "call_open": "[", "call_close":
 
 def demo_environment(tokenizer):
     """The environment :data:`ENV_CONFIG` describes, over ``tokenizer`` (the demo tool models')."""
-    from opdistill.env.environment import Environment
-    from opdistill.env.tools import CallFormat, Tools
-
     c = ENV_CONFIG
     return Environment(Tools([f]), tokenizer, call_format=CallFormat(c["call_open"], c["call_close"]),
                        max_turns=c["max_turns"], max_episode_tokens=c["max_episode_tokens"])

@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from opdistill.data.prompts import render_prompt
 from opdistill.env.tools import CallFormat, Observation, Tools
 from opdistill.errors import ConfigError
+from opdistill.xtok.tokens import render_chat
 
 __all__ = ["Environment", "EnvTurn"]
 
@@ -64,8 +66,6 @@ class Environment:
     def prompt(self, prompt) -> list[int]:
         """A problem's prompt (a string or chat messages) as the student reads it: through the chat template with the
         tools' schemas listed."""
-        from opdistill.data.prompts import render_prompt
-
         return render_prompt(self.tokenizer, prompt, use_chat_template=True, tools=self.tools.schemas)
 
     def respond(self, turn_text: str) -> EnvTurn | None:
@@ -83,16 +83,12 @@ class Environment:
     def _tool_text(self, observations) -> str:
         """The template's text after an assistant turn closed at EOS, for tool messages holding ``observations``, up
         to and including the next generation prompt (module notes)."""
-        from opdistill.xtok.tokens import render_chat
-
         tool_msgs = [{"role": "tool", "name": o.name, "content": o.text} for o in observations]
         return render_chat(self.tokenizer, [*self._BASE, *tool_msgs], add_generation_prompt=True)[self._end:]
 
     def _turn_end(self, name: str) -> int:
         """Where the assistant turn of the fixed conversation ends in the template's text (after its EOS, when the
         template writes one there), checked: the conversation with tool messages extends it, and writes them."""
-        from opdistill.xtok.tokens import render_chat
-
         before = render_chat(self.tokenizer, list(self._BASE), add_generation_prompt=False)
         end = before.find(self._TURN)
         if end < 0:

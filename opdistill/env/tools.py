@@ -172,14 +172,13 @@ class Tools:
         """The tools ``module:function`` / ``file.py:function`` name (refusals: one line naming the entry)."""
         from opdistill.data.rewards import load_function  # the one loader of the user's functions
 
-        named: dict = {}
+        named, first = {}, {}
         for i, spec in enumerate(specs):
             name = spec.rsplit(":", 1)[-1]
-            if name in named:
-                first = [s.rsplit(":", 1)[-1] for s in specs].index(name)
-                raise ConfigError(f"env.tools.{i}: a second tool named {name!r} (env.tools.{first} is the first); the "
-                                  "model calls a tool by its function's name")
-            named[name] = load_function(spec, f"env.tools.{i}")
+            if name in first:
+                raise ConfigError(f"env.tools.{i}: a second tool named {name!r} (env.tools.{first[name]} is the "
+                                  "first); the model calls a tool by its function's name")
+            first[name], named[name] = i, load_function(spec, f"env.tools.{i}")
         return cls(named, **kw)
 
     @property

@@ -379,7 +379,8 @@ def build_env(cfg: TrainerConfig, tok, given: tuple | dict = ()) -> Environment 
                           "the tools in one place")
     if not (given or cfg.env.tools):
         return None
-    check_env(cfg, True)
+    if given:  # env.tools were checked with the config (rules._env)
+        check_env(cfg)
     ec = cfg.env
     limits = dict(timeout_s=ec.tool_timeout_s, max_result_chars=ec.max_result_chars)
     tools = Tools(given, key="tools", **limits) if given else Tools.from_specs(ec.tools, **limits)

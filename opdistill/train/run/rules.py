@@ -292,20 +292,23 @@ def _reward(cfg) -> None:
     loads), one weight per function."""
     s = cfg.reward
     for i, spec in enumerate(s.functions):
-        where, sep, attr = spec.rpartition(":")
-        _need(spec == "task" or (sep and where and attr.isidentifier()), f"reward.functions.{i}",
-              "'task', 'module:function' or 'file.py:function'", spec)
+        if spec != "task":
+            _function_spec(spec, f"reward.functions.{i}", "'task', 'module:function' or 'file.py:function'")
     if s.weights is not None and s.functions:  # without functions: one per reward run_training is handed (Rewards)
         _need(len(s.weights) == len(s.functions), "reward.weights",
               f"{len(s.functions)} number{'s' * (len(s.functions) != 1)}, one per entry of reward.functions",
               s.weights)
 
 
-def check_env(cfg, active: bool) -> None:
-    """Episodes (SPEC 6.8; ``active``: the run has tools, from ``env.tools`` or handed in) with what runs them: our
-    sampler, not sharded decoding, one tokenizer, rows the run samples."""
-    if not active:
-        return
+def _function_spec(spec: str, key: str, expected: str) -> None:
+    """``module:function`` or ``file.py:function``, as opdistill/data/rewards.py's loader reads it."""
+    where, sep, attr = spec.rpartition(":")
+    _need(sep and where and attr.isidentifier(), key, expected, spec)
+
+
+def check_env(cfg) -> None:
+    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: our sampler, not
+    sharded decoding, one tokenizer, rows the run samples."""
     why = "with env.tools (episodes run on our own sampler, one tokenizer, rows the run samples: docs/episodes.md)"
     _need(cfg.rollout.engine == "hf", "rollout.engine", f"hf {why}", cfg.rollout.engine)
     _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
@@ -316,12 +319,11 @@ def check_env(cfg, active: bool) -> None:
 
 
 def _env(cfg) -> None:
-    """``env.tools`` named as the loader reads them; the episodes' limits with the rollout's."""
+    """``env.tools`` named as the loader reads them, and what runs episodes (:func:`check_env`)."""
     for i, spec in enumerate(cfg.env.tools):
-        where, sep, attr = spec.rpartition(":")
-        _need(sep and where and attr.isidentifier(), f"env.tools.{i}", "'module:function' or 'file.py:function'",
-              spec)
-    check_env(cfg, bool(cfg.env.tools))
+        _function_spec(spec, f"env.tools.{i}", "'module:function' or 'file.py:function'")
+    if cfg.env.tools:
+        check_env(cfg)
 
 
 def _task_rewards(cfg) -> None:
