@@ -99,7 +99,8 @@ def test_reasoning_gym_examples_come_from_the_training_split(tmp_path):
     train = {task.data[i]["question"] for i in range(task.size)}
     held = {task.eval_data[i]["question"] for i in task.eval_index}
     assert all(q in train and q not in held for q, _ in tp.examples)
-    assert all(r.startswith("<answer>") and r.endswith("</answer>") for _, r in tp.examples)
+    assert all(r["role"] == "assistant" and r["content"].startswith("<answer>") and r["content"].endswith("</answer>")
+               for _, (r,) in tp.examples)
     # a file of examples naming a held-out problem is refused, with its line
     q = task.eval_data[task.eval_index[0]]["question"]
     path = tmp_path / "shots.jsonl"
@@ -108,7 +109,8 @@ def test_reasoning_gym_examples_come_from_the_training_split(tmp_path):
     with pytest.raises(DataError, match=rf"^{path}:2: this example's prompt is a held-out problem "):
         TeacherPrompt(task, examples_path=str(path), held_out=task.held_out_all())
     path.write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n")
-    with pytest.raises(DataError, match=rf"^{path}:1: expected non-empty string fields 'prompt' and 'response' "):
+    with pytest.raises(DataError, match=rf"^{path}:1: expected non-empty string fields 'prompt' and 'response', or "
+                                          r"'messages' \(a worked example for teacher.context\), got "):
         TeacherPrompt(task, examples_path=str(path))
     path.write_text('[' * 100_000 + "\n")  # nested past the parser's recursion: one line, not a traceback
     with pytest.raises(DataError, match=rf"^{path}:1: not valid JSON"):
@@ -123,6 +125,48 @@ def test_an_example_from_a_file_that_is_the_rows_own_question_is_left_out(tmp_pa
     shown = [m["content"] for m in tp(Problem("2+2=", "4"))]
     assert shown == ["1+1=", "2", "3+3=", "6", "2+2="]  # no "2+2=" / "4" turn before the question
     assert len(tp(Problem("5+5=", "10"))) == 7
+
+
+EPISODE = [{"role": "user", "content": "f(5)+1="}, {"role": "assistant", "content": "<tool_call>f 5</tool_call>"},
+           {"role": "tool", "content": "7"}, {"role": "assistant", "content": "8"}]
+
+
+def test_a_worked_episode_from_a_file_is_shown_whole(tmp_path):
+    """An examples_path row ``{messages}`` is a worked episode (SPEC 6.8): its tool messages and turns come before
+    the row's question as they are; a plain ``{prompt, response}`` row beside it is one assistant turn."""
+    path = tmp_path / "shots.jsonl"
+    path.write_text(json.dumps({"messages": EPISODE}) + "\n" + json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    tp = TeacherPrompt(CarryAdditionTask(1, 1), examples_path=str(path), system="use f")
+    assert tp(Problem("f(2)+3=", "9")) == [{"role": "system", "content": "use f"}, *EPISODE,
+                                           {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                                           {"role": "user", "content": "f(2)+3="}]
+    assert tp(Problem("f(5)+1=", "8")) == [{"role": "system", "content": "use f"},  # its own question: left out
+                                           {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                                           {"role": "user", "content": "f(5)+1="}]
+    with pytest.raises(ConfigError, match=r"holds worked episodes \(rows with messages\), which need the chat "):
+        TeacherPrompt(CarryAdditionTask(1, 1), examples_path=str(path), chat=False)
+    with pytest.raises(DataError, match=r":1: this example's prompt is a held-out problem \('f\(5\)\+1='\)"):
+        TeacherPrompt(CarryAdditionTask(1, 1), examples_path=str(path), held_out=[Problem("f(5)+1=", "8")])
+
+
+@pytest.mark.parametrize("messages, what", [
+    ("hi", "must be a list of at least 2 messages, got \"hi\""),
+    (EPISODE[:1], "must be a list of at least 2 messages"),
+    ([EPISODE[0], {"role": "assistant"}], "entry 1 must be {\"role\", \"content\"} with non-empty string content"),
+    ([EPISODE[0], {"role": "assistant", "content": " "}], "entry 1 must be {\"role\", \"content\"}"),
+    ([EPISODE[1], EPISODE[3]], "entry 0 has role 'assistant', expected 'user'"),
+    ([EPISODE[0], {"role": "system", "content": "x"}, EPISODE[3]], "entry 1 has role 'system', expected 'assistant' or "
+                                                                   "'tool'"),
+    (EPISODE[:3], "ends on a 'tool' message"),
+])
+def test_a_bad_worked_episode_is_one_data_error_naming_its_line(tmp_path, messages, what):
+    path = tmp_path / "shots.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(DataError) as e:
+        TeacherPrompt(CarryAdditionTask(1, 1), examples_path=str(path))
+    assert str(e.value).startswith(f"{path}:2: 'messages' {what}")
+    assert str(e.value).endswith("(a worked episode: a user message, then assistant turns and tool messages, ending on "
+                                 "an assistant turn)")
 
 
 @pytest.mark.parametrize("template, hint, message", [

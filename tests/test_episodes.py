@@ -15,7 +15,7 @@ from opdistill import DistillationLoss, GlobalBatch, TeacherSampled, shift_for_n
 from opdistill.engines.episodes import EPISODE_SUMS, run_episodes
 from opdistill.engines.rollout import generate_rollouts
 from opdistill.env import CallFormat, Environment, Tools
-from opdistill.errors import ConfigError
+from opdistill.errors import ConfigError, DataError
 from opdistill.teachers import LocalTeacher, Rows, ScoreRequest
 from opdistill.train.run.config import load_config
 from opdistill.train.steps.step import StepData, train_step
@@ -299,6 +299,51 @@ def test_a_hand_built_two_turn_episode_matches_the_teachers_scores_and_the_loss(
     assert m["train/response_tokens"] == sum(owners)
 
 
+def test_a_context_teacher_scores_an_episode_under_its_own_prompt_with_the_tools_listed(tok, env, caller):
+    """teacher.context with tools (SPEC 6.7 x 6.8): the teacher reads its own prompt, listing the tools as the
+    student's does, then the whole episode; its log-prob of each student token against a float64 forward of that
+    sequence written out here, the environment's and the prompt's positions unscored."""
+    from opdistill.data import render_prompt
+    from opdistill.teachers.context import ContextTeacher
+
+    p_ids, ids, owners = scripted_episode(env, tok, *SCRIPTS[0])
+    seq = torch.tensor([p_ids + ids])
+    rm = torch.tensor([[0] * len(p_ids) + owners])
+    x_t = [{"role": "user", "content": "2+3 (use add)"}]
+    teacher = tiny_model(tok, seed=7)
+    wrapped = ContextTeacher(LocalTeacher(teacher), tok, tools=env.tools.schemas)
+    scores = wrapped.score(Rows(seq, torch.ones_like(seq), rm, teacher_prompts=(x_t,)), ScoreRequest(k=4, sampled=True))
+    x_ids = list(tok(tok.apply_chat_template(x_t, tools=env.tools.schemas, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"])
+    assert "Tools: add echo." in tok.decode(x_ids)
+    assert x_ids != render_prompt(tok, x_t)  # the tools make a difference
+    t_seq = torch.tensor([x_ids + ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(copy.deepcopy(teacher).double()(t_seq).logits[0, :-1], -1)
+    ref = ref.gather(-1, t_seq[0, 1:, None])[:, 0][len(x_ids) - 1:]  # from the token before the first turn
+    got = scores.sampled_logprobs[0, len(p_ids) - 1:-1]
+    student_tok = rm[0, len(p_ids):].bool()
+    torch.testing.assert_close(got[student_tok].double(), ref[student_tok], rtol=0, atol=1e-6)
+    assert (got[~student_tok] == 0).all() and (scores.sampled_logprobs[0, :len(p_ids) - 1] == 0).all()
+
+
+def test_an_episode_moves_whole_onto_another_prompt(tok, env, caller):
+    """Off-policy KD under teacher.context writes episodes after the teacher's prompt and trains on them after the
+    student's (RolloutBatch.with_prompts): every turn and tool message moves, the mask, log-probs and counts with it."""
+    from opdistill.engines.rollout import make_batch
+
+    b = run_episodes(caller, tok, [env.prompt(p) for p, _ in SCRIPTS], env, greedy=True, max_new_tokens=80)
+    other = [env.prompt("Q" + p) for p, _ in SCRIPTS]
+    moved = b.with_prompts(other, tok.pad_token_id)
+    laid = [scripted_episode(env, tok, p, t) for p, t in SCRIPTS]
+    lps = [b.sampler_logprobs[r, len(p) - 1:len(p) + len(ids) - 1].tolist() for r, (p, ids, _) in enumerate(laid)]
+    ref = make_batch(other, [ids for _, ids, _ in laid], lps, b.prompt_index, b.texts, tok.pad_token_id,
+                     owners=[o for _, _, o in laid])
+    for name in ("input_ids", "attention_mask", "response_mask", "sampler_logprobs"):
+        assert torch.equal(getattr(moved, name), getattr(ref, name)), name
+    assert torch.equal(moved.episode_sums, b.episode_sums) and moved.texts == b.texts
+
+
 def _grads(student, data, budget, loss_cfg):
     model = copy.deepcopy(student).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -411,6 +456,31 @@ def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run
     assert summary["eval_history"][0]["eval/greedy_acc"] == 1.0
 
 
+@pytest.mark.parametrize("method", ["on_policy", "off_policy"])
+def test_an_identity_teacher_context_with_tools_is_the_plain_run(episode_run, tmp_path, method):
+    """``teacher.context: {}`` is x' = x (SPEC 6.7): with tools its prompt lists them as the student's does, so the run
+    equals the one without it: on-policy the teacher scores under it, off-policy it writes its episodes under it
+    (the tool-calling student as the teacher) and they move onto the student's prompt."""
+    from opdistill.train import run_training
+
+    tmp, base = episode_run
+    seen = []
+    for context in (None, {}):
+        run = tmp_path / f"run-{context is None}"
+        cfg = {**base, "run_dir": str(run), "train": {**base["train"], "method": method}, "eval": {"every": 0},
+               "checkpoint": {"every": 0}}
+        if method == "off_policy":
+            cfg["model"] = {"student": base["model"]["student"], "teacher": base["model"]["student"]}
+        if context is not None:
+            cfg["teacher"] = {"context": context}
+        run_training(load_config(base=cfg), quiet=True)
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        seen.append([(m["distillation/loss"], m["env/tool_calls"], m["train/response_len"]) for m in lines
+                     if "env/turns" in m])
+    assert len(seen[0]) == 2 and seen[0] == seen[1]
+    assert all(calls > 0 for _, calls, _ in seen[0])  # episodes with tool results between the turns
+
+
 def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_run, tmp_path):
     from opdistill.train.run.rules import check_config
 
@@ -421,8 +491,6 @@ def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_
         ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
         ({"xtok": {"mode": "bpm"}}, f"xtok.mode: expected off {why}, got 'bpm'"),
         ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),
-        ({"teacher": {"context": {"examples": 1}}},
-         f"teacher.context: expected null {why}; a teacher prompt that lists the tools is not built yet, got 'set'"),
     ]:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
         for section, values in change.items():
@@ -456,6 +524,25 @@ def test_opdistill_check_reads_the_tools_and_the_template(episode_run, tmp_path)
     errors = [x for x in r.stderr.strip().splitlines() if not x.startswith("opdistill: warning: ")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr
     assert "env.tools.0: " in r.stderr and "has no attribute 'nope'" in r.stderr
+
+
+def test_an_episode_longer_than_the_positions_allow_is_refused_at_load(episode_run):
+    """An episode takes env.max_episode_tokens after its prompt, and the prompt lists the tools: both are checked
+    against the model's 512 positions before any weight loads (the budget of rollout.max_new_tokens is not enough)."""
+    import re
+
+    from opdistill.train.assemble import check_run
+
+    tmp, base = episode_run
+    with pytest.raises(ConfigError) as e:
+        check_run(load_config(base={**base, "env": {**base["env"], "max_episode_tokens": 500}}))
+    m = re.fullmatch(r"env.max_episode_tokens: expected at most (\d+) \(the model has 512 positions, (\d+) of them to "
+                     r"list the tools, and a prompt needs at least one\), got 500", str(e.value))
+    assert m and int(m.group(2)) > 10 and int(m.group(1)) == 511 - int(m.group(2)), str(e.value)
+    fits = 512 - int(m.group(2)) - 9  # room for the prompts' own 9 tokens: BOS, "U:2+3", a newline, "A:"
+    check_run(load_config(base={**base, "env": {**base["env"], "max_episode_tokens": fits}}))
+    with pytest.raises(DataError, match=r"rows.jsonl:1: the prompt is 9 tokens, more than the 8 the model allows "):
+        check_run(load_config(base={**base, "env": {**base["env"], "max_episode_tokens": fits + 1}}))
 
 
 # -- the demo environment (lookup_add) ---------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ The student answers the row's prompt x; the teacher scores the same response und
 
 - **worked examples** before the row's question: ``examples`` problems drawn once from the task's training problems
   (``Task.sample`` with a generator keyed by ``examples_seed``; never a held-out question: those are skipped), or
-  every ``{prompt, response}`` row of ``examples_path`` (JSON lines, JSON, CSV or parquet; a file holding a held-out
-  question is refused). In a chat
-  prompt each example is a user turn and an assistant turn (``Task.worked``: the response an example shows); in a
-  plain-text prompt they are written one after another, each followed by a blank line;
+  every row of ``examples_path`` (JSON lines, JSON, CSV or parquet; a file holding a held-out question is refused):
+  ``{prompt, response}``, or ``{messages}``, a whole worked episode (SPEC 6.8: the user's question, then assistant
+  turns and tool messages, ending on an assistant turn). In a chat prompt each example is a user turn and what
+  answered it (``Task.worked``: the response an example shows); in a plain-text prompt they are written one after
+  another, each followed by a blank line (an episode needs the chat template);
 - a **system prompt** (``system``) that replaces the row's own;
 - a **template** of the row's last user turn: ``{prompt}`` (the row's question, required), ``{answer}`` (its
   reference answer) and ``{hint}`` (its ``hint_field``: a dataset column, a reasoning-gym metadata key).
@@ -78,9 +79,13 @@ class TeacherPrompt:
         self.task, self.system, self.template, self.chat = task, system, template, chat
         self.reads_rows = reads_rows(template)  # the row's own answer or hint
         banned = {question_of(p.prompt) for p in held_out}
+        # each example: (its question, the messages that answer it: one assistant turn, or an episode's turns)
         if examples_path is not None:
             self.examples = _read_examples(examples_path, banned)
             self.spare = None
+            if not chat and any(len(turns) > 1 for _, turns in self.examples):
+                raise ConfigError(f"teacher.context.examples_path: {examples_path} holds worked episodes (rows with "
+                                  "messages), which need the chat template; set data.use_chat_template: true")
         else:
             drawn = _draw(task, examples + 1, examples_seed, banned) if examples else []
             self.examples, self.spare = drawn[:examples], (drawn[examples] if examples else None)
@@ -93,7 +98,7 @@ class TeacherPrompt:
         user = self._fill(question, problem)
         if isinstance(problem.prompt, str) and not self.chat:
             head = (self.system + "\n\n") if self.system else ""
-            return head + "".join(f"{q}{r}\n\n" for q, r in examples) + user
+            return head + "".join(f"{q}{turns[0]['content']}\n\n" for q, turns in examples) + user
         msgs = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else \
             [dict(m) for m in problem.prompt]
         system = [m for m in msgs if m["role"] == "system"]
@@ -103,7 +108,7 @@ class TeacherPrompt:
         last = max(i for i, m in enumerate(rest) if m["role"] == "user") if any(
             m["role"] == "user" for m in rest) else len(rest) - 1
         rest[last] = {"role": rest[last]["role"], "content": user}
-        shots = [m for q, r in examples for m in ({"role": "user", "content": q}, {"role": "assistant", "content": r})]
+        shots = [m for q, turns in examples for m in [{"role": "user", "content": q}, *map(dict, turns)]]
         return system + shots + rest
 
     def _fill(self, question: str, problem: Problem) -> str:
@@ -117,7 +122,12 @@ class TeacherPrompt:
         return re.sub(r"\{(prompt|answer|hint)\}", lambda m: str(values[m.group(1)]), self.template)
 
 
-def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, str]]:
+def _answer(response: str) -> tuple[dict]:
+    """The messages of an example that one assistant turn answers."""
+    return ({"role": "assistant", "content": response},)
+
+
+def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, tuple]]:
     """``n`` distinct (question, worked response) pairs of the task's training problems, none of them held out."""
     rng = random.Random(f"context/{seed}")
     out, seen = [], set()
@@ -127,7 +137,7 @@ def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, str]]:
         if q in seen or q in banned:
             continue
         seen.add(q)
-        out.append((q, task.worked(p)))
+        out.append((q, _answer(task.worked(p))))
         if len(out) == n:
             return out
     raise ConfigError(f"teacher.context.examples: task {task.name} gave {len(out)} distinct training questions "
@@ -135,18 +145,47 @@ def _draw(task: Task, n: int, seed: int, banned: set) -> list[tuple[str, str]]:
                       f"+ 1 spare); ask for fewer examples or give teacher.context.examples_path")
 
 
-def _read_examples(path: str, banned: set) -> list[tuple[str, str]]:
-    """The ``{prompt, response}`` rows of a file (JSON lines, JSON, CSV or parquet: ``opdistill.data.prompts``'
-    reader); one naming a held-out question is refused with its place."""
+def _read_examples(path: str, banned: set) -> list[tuple[str, tuple]]:
+    """The ``{prompt, response}`` or ``{messages}`` rows of a file (JSON lines, JSON, CSV or parquet:
+    ``opdistill.data.prompts``' reader); one naming a held-out question is refused with its place."""
     out = []
     for where, row in _read_rows(path, key="teacher.context.examples_path"):
-        if not all(isinstance(row.get(k), str) and row[k].strip() for k in ("prompt", "response")):
-            raise DataError(f"{where}: expected non-empty string fields 'prompt' and 'response' (a worked example for "
-                            f"teacher.context), got {json.dumps(row)[:80]}")
-        if row["prompt"] in banned:
-            raise DataError(f"{where}: this example's prompt is a held-out problem ({row['prompt'][:60]!r}); the "
+        if "messages" in row:
+            question, turns = _episode(row["messages"], where)
+        elif all(isinstance(row.get(k), str) and row[k].strip() for k in ("prompt", "response")):
+            question, turns = row["prompt"], _answer(row["response"])
+        else:
+            raise DataError(f"{where}: expected non-empty string fields 'prompt' and 'response', or 'messages' (a "
+                            f"worked example for teacher.context), got {json.dumps(row, default=str)[:80]}")
+        if question in banned:
+            raise DataError(f"{where}: this example's prompt is a held-out problem ({question[:60]!r}); the "
                             f"held-out split never enters the teacher's prompt: remove it")
-        out.append((row["prompt"], row["response"]))
+        out.append((question, turns))
     if not out:
         raise DataError(f"{path}: no examples (teacher.context.examples_path holds no rows)")
     return out
+
+
+_EPISODE_ROLES = ("assistant", "tool")
+
+
+def _episode(messages, where: str) -> tuple[str, tuple]:
+    """(the question, the turns after it) of a worked episode: a user message, then assistant turns and tool
+    messages, the last an assistant turn, every content a non-empty string (one DataError naming what is wrong)."""
+    def bad(what):
+        return DataError(f"{where}: 'messages' {what} (a worked episode: a user message, then assistant turns and tool "
+                         f"messages, ending on an assistant turn)")
+
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise bad(f"must be a list of at least 2 messages, got {json.dumps(messages, default=str)[:80]}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["content"], str)
+                and m["content"].strip()):
+            raise bad(f"entry {i} must be {{\"role\", \"content\"}} with non-empty string content, got "
+                      f"{json.dumps(m, default=str)[:80]}")
+        expected = ("user",) if i == 0 else _EPISODE_ROLES
+        if m["role"] not in expected:
+            raise bad(f"entry {i} has role {m['role']!r}, expected {' or '.join(map(repr, expected))}")
+    if messages[-1]["role"] != "assistant":
+        raise bad(f"ends on a {messages[-1]['role']!r} message")
+    return messages[0]["content"], tuple(dict(m) for m in messages[1:])

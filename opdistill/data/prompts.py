@@ -60,15 +60,16 @@ def render_prompt(tokenizer, text, *, use_chat_template: bool = True, tools: lis
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def render_prompts(tokenizer, prompts, *, use_chat_template: bool = True) -> list[list[int]]:
+def render_prompts(tokenizer, prompts, *, use_chat_template: bool = True,
+                   tools: list | None = None) -> list[list[int]]:
     """:func:`render_prompt` of each of ``prompts``, each distinct prompt object rendered once (the ``rollout.n``
-    rows of one problem share theirs)."""
+    rows of one problem share theirs); ``tools``: the schemas every prompt lists (an episode's tools)."""
     rendered: dict[int, list[int]] = {}
     out = []
     for x in prompts:
         ids = rendered.get(id(x))
         if ids is None:
-            ids = rendered[id(x)] = render_prompt(tokenizer, x, use_chat_template=use_chat_template)
+            ids = rendered[id(x)] = render_prompt(tokenizer, x, use_chat_template=use_chat_template, tools=tools)
         out.append(ids)
     return out
 

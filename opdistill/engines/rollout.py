@@ -40,18 +40,25 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     def with_prompts(self, prompts: list[list[int]], pad_id: int) -> "RolloutBatch":
-        """The same responses (log-probs, top-K ids and texts with them) after other prompts: row r after
-        ``prompts[prompt_index[r]]`` (the student's prompt before what a teacher wrote under its own, SPEC 6.7)."""
-        responses, lps, tops = [], [], []
+        """The same responses (log-probs, top-K ids, texts and an episode's counts with them) after other prompts:
+        row r after ``prompts[prompt_index[r]]`` (the student's prompt before what a teacher wrote under its own, SPEC
+        6.7). A response is everything from its first token to the row's end: an episode's environment tokens
+        (SPEC 6.8) move with it, out of the mask."""
+        responses, owners, lps, tops = [], [], [], []
+        lengths = self.attention_mask.sum(-1).tolist()
         for r in range(self.num_rows):
             where = self.response_mask[r].nonzero().flatten()
-            start, n = (int(where[0]), where.numel()) if where.numel() else (0, 0)
-            responses.append(self.input_ids[r, start:start + n].tolist())
-            lps.append(self.sampler_logprobs[r, start - 1:start - 1 + n].tolist())
+            start = int(where[0]) if where.numel() else lengths[r]
+            end = lengths[r]
+            responses.append(self.input_ids[r, start:end].tolist())
+            owners.append(self.response_mask[r, start:end].tolist())
+            lps.append(self.sampler_logprobs[r, start - 1:end - 1].tolist())
             if self.sampler_topk is not None:
-                tops.append(self.sampler_topk[r, start - 1:start - 1 + n].tolist())
-        return make_batch([prompts[i] for i in self.prompt_index], responses, lps, self.prompt_index, self.texts,
-                          pad_id, tops if self.sampler_topk is not None else None)
+                tops.append(self.sampler_topk[r, start - 1:end - 1].tolist())
+        out = make_batch([prompts[i] for i in self.prompt_index], responses, lps, self.prompt_index, self.texts,
+                         pad_id, tops if self.sampler_topk is not None else None, owners=owners)
+        out.episode_sums = self.episode_sums
+        return out
 
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]] | None,

@@ -62,6 +62,7 @@ class TeacherContext:
         process, where sharding over one rank is the unsharded teacher).
     cache: the loaded ``data.teacher_cache`` (``opdistill.teachers.cache.load_cache``), or None.
     resolve: ``model.*`` name -> model folder (for a vLLM engine, which loads from its folder).
+    tools: the schemas of an episode's tools (SPEC 6.8), which a ``teacher.context`` prompt lists; None: no tools.
     """
 
     tokenizer: object
@@ -71,6 +72,7 @@ class TeacherContext:
     group: object = None
     cache: dict | None = None
     resolve: Callable[[str], str] = str
+    tools: list | None = None
 
 
 @dataclass
@@ -283,7 +285,7 @@ def _with_context(cfg, teachers: Teachers, context: TeacherContext) -> Teachers:
             positions = None if isinstance(t, CrossTokenizerTeacher) else t.limits.get("max_model_len") or (
                 model_positions(t.model) if hasattr(t, "model") else None)
             wrapped[id(t)] = ContextTeacher(t, context.tokenizer, use_chat_template=cfg.data.use_chat_template,
-                                            max_positions=positions)
+                                            max_positions=positions, tools=context.tools)
         return wrapped[id(t)]
 
     # dropped, not closed: an evaluation teacher holds nothing of its own (in process), or shares the training

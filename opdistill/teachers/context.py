@@ -13,6 +13,9 @@ the student's positions:
 - the requested ids of a union-support loss go the other way; unscored positions hold what every teacher returns
   there (empty top-k slots, sampled log-prob 0, requested log-prob -inf, hidden state 0, mask True).
 
+An episode (SPEC 6.8) is copied whole from its first student token: the environment's tokens between the student's
+turns stay context (response mask 0), and x' lists the tools (``tools``) as the student's prompt does.
+
 Any teacher can be wrapped: in process (the frozen student, the LoRA base with its adapters off, another model),
 FSDP2-sharded, a vLLM engine, our server or a pool of them (the server receives the teacher-side rows), routed
 teachers, a cross-tokenizer teacher (which renders ``prompts`` through its own chat template: it is given x' there,
@@ -35,10 +38,13 @@ __all__ = ["ContextTeacher"]
 
 class ContextTeacher(WrappedTeacher):
     """``inner`` scoring each row's response under the row's ``teacher_prompts`` entry (module notes);
-    ``tokenizer``: the student's (x' in its tokens; a cross-tokenizer ``inner`` renders x' again in its own)."""
+    ``tokenizer``: the student's (x' in its tokens; a cross-tokenizer ``inner`` renders x' again in its own);
+    ``tools``: the schemas of an episode's tools (SPEC 6.8), which x' lists as the student's prompt does."""
 
-    def __init__(self, inner: Teacher, tokenizer, *, use_chat_template: bool = True, max_positions: int | None = None):
-        super().__init__(inner)  # its groups: by the rows' tags, the teacher's rows being the student's row for row
+    def __init__(self, inner: Teacher, tokenizer, *, use_chat_template: bool = True, max_positions: int | None = None,
+                 tools: list | None = None):
+        super().__init__(inner)
+        self.tools = tools  # its groups: by the rows' tags, the teacher's rows being the student's row for row
         # its own copy: the pipelined step scores in another thread than the evaluation's rendering, and a fast
         # tokenizer refuses two threads at once
         self.tokenizer, self.use_chat_template = copy.deepcopy(tokenizer), use_chat_template
@@ -54,7 +60,8 @@ class ContextTeacher(WrappedTeacher):
         B = rows.num_rows
         lengths = rows.attention_mask.sum(-1)
         p_s = rows.response_starts()  # a row without a response: its end (nothing to score)
-        seqs = render_prompts(self.tokenizer, rows.teacher_prompts, use_chat_template=self.use_chat_template)
+        seqs = render_prompts(self.tokenizer, rows.teacher_prompts, use_chat_template=self.use_chat_template,
+                              tools=self.tools)
         p_t = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         tail = lengths - p_s  # response and whatever follows it in the row
         width = int((p_t + tail).max()) if B else 1

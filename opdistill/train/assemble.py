@@ -400,11 +400,11 @@ def _refuse_early(cfg: TrainerConfig, ctx: DistContext, models, given: "Given") 
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
     context = build_context(cfg, task, tok)
-    check_before_loading(cfg, tok, student_info, teacher_infos, task, world=ctx.world, dp=ctx.dp[1],
-                         held_out=len(held_out))
-    if context is not None:
-        check_context(cfg, context, tok, student_info, teacher_infos, source, held_out)
     env = build_env(cfg, tok, given.tools)
+    check_before_loading(cfg, tok, student_info, teacher_infos, task, world=ctx.world, dp=ctx.dp[1],
+                         held_out=len(held_out), env=env)
+    if context is not None:
+        check_context(cfg, context, tok, student_info, teacher_infos, source, held_out, env)
     return tok, task, source, held_out, open_teacher_cache(cfg, tok), context, rewards, env
 
 
@@ -518,7 +518,8 @@ def assemble(cfg: TrainerConfig, ctx: DistContext, stack: ExitStack, *, resume: 
         teachers = stack.enter_context(_closing(build_teacher(cfg, TeacherContext(
             tokenizer=tok, student=getattr(student, "module", student), models=teacher_models,
             mesh=ctx.mesh if ctx.enabled else None,
-            group=ctx.group, cache=cache, resolve=resolve_model_path))))
+            group=ctx.group, cache=cache, resolve=resolve_model_path,
+            tools=None if env is None else env.tools.schemas))))
     except Exception as e:  # an engine or a teacher that cannot start (a server away): the run stays resumable
         e.checkpoint = _keep_start(cfg, ctx, ckpt, state, save)
         raise

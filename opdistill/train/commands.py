@@ -73,21 +73,23 @@ def evaluate_run(cfg, *, checkpoint: str | None = None, run_dir: Path | None = N
     if ckpt:
         load_weights(ckpt, student)  # the weights only (safetensors, verified): never the trainer state
     task = build_task(cfg)
-    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
+    env = build_env(cfg, tok)  # tools: episodes (SPEC 6.8)
+    check_against_models(cfg, tok, student, teacher, task, training=False, env=env)  # K, lengths: before generating
     source = PromptSource(task, cfg.train.seed, cfg.data.eval_seed)
     held_out = source.held_out(cfg.eval.num_prompts)
     context = build_context(cfg, task, tok)  # teacher.context: the teacher's own prompts (SPEC 6.7)
     if context is not None:
         check_context(cfg, context, tok, ModelInfo("model.student", None, student, tok),
-                      [] if teacher is None else [ModelInfo("model.teacher", None, teacher)], source, held_out)
+                      [] if teacher is None else [ModelInfo("model.teacher", None, teacher)], source, held_out, env)
     models = {} if teacher is None else {"model.teacher": teacher}
     teachers = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models=models,
-                                                 resolve=resolve_model_path), train=False)
+                                                 resolve=resolve_model_path,
+                                                 tools=None if env is None else env.tools.schemas), train=False)
     try:
         if run_dir is not None:  # a teacher server against the run's record
             check_inputs(run_dir, remote_inputs(cfg, teachers), accept, what="eval")
         metrics = run_eval(cfg, tok, student, teachers.eval, task, held_out, values_path=values_path,
-                           context=context, env=build_env(cfg, tok))
+                           context=context, env=env)
     finally:
         teachers.close()
     return EvalReport(str(ckpt) if ckpt else None, len(held_out), cfg.eval.num_samples,

@@ -100,11 +100,31 @@ def check_loaded(cfg: TrainerConfig, student, teacher, *, training: bool = True)
 
 
 def check_against_models(cfg: TrainerConfig, tokenizer, student, teacher, task: Task, *,
-                         training: bool = True) -> None:
+                         training: bool = True, env=None) -> None:
     """:func:`check_metadata` on loaded models, after :func:`check_loaded`."""
     check_loaded(cfg, student, teacher, training=training)
     teachers = [] if teacher is None else [ModelInfo("model.teacher", None, teacher)]
-    check_metadata(cfg, tokenizer, ModelInfo("model.student", None, student), teachers, task, training=training)
+    check_metadata(cfg, tokenizer, ModelInfo("model.student", None, student), teachers, task, training=training,
+                   env=env)
+
+
+def _room(cfg: TrainerConfig, env) -> tuple[str, int]:
+    """(the key that sets it, the tokens) a row takes after its prompt: the longest decode (``rollout`` or ``eval``
+    ``max_new_tokens``), or with an environment its episode, turns and tool messages (``env.max_episode_tokens``,
+    SPEC 6.8; every turn is cut to what is left of it)."""
+    if env is not None:
+        return "env.max_episode_tokens", env.max_episode_tokens
+    return max((("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                ("eval.max_new_tokens", cfg.eval.max_new_tokens or 0)), key=lambda kv: kv[1])
+
+
+def _listed(tokenizer, env) -> int:
+    """The tokens an environment's tool schemas add to a prompt (its template lists them; 0 without one)."""
+    if env is None:
+        return 0
+    from opdistill.data import render_prompt
+
+    return len(env.prompt("x")) - len(render_prompt(tokenizer, "x", use_chat_template=True))
 
 
 _FP16 = ("model.dtype: float16 training is refused: the trainer has no loss scaling, so small gradients flush to zero "
@@ -115,14 +135,15 @@ _FP16_HANDED_IN = ("models: the student handed in has float16 trainable paramete
 
 
 def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,
-                   training: bool = True) -> None:
+                   training: bool = True, env=None) -> None:
     """Refuse, naming the key, what the config asks and the models (their configs or the loaded models) cannot do;
     fit a dataset's prompts:
 
     - fp16 training (``model.dtype``): there is no loss scaling, so small gradients flush to 0 and one overflow makes
       every weight NaN;
     - ``loss.topk`` (distillation methods) and ``eval.topk`` above the vocabulary;
-    - ``rollout.max_new_tokens`` / ``eval.max_new_tokens`` leaving no room for a prompt within the positions;
+    - ``rollout.max_new_tokens`` / ``eval.max_new_tokens`` (with an environment ``env``: ``env.max_episode_tokens``
+      and the tool schemas its prompts list) leaving no room for a prompt within the positions;
     - prompts longer than positions - max_new_tokens: a dataset's rows are refused or cut (``data.overlong``), a
       generated task's (its held-out set and first training batch) are refused naming ``data.task_args``;
     - characters the tokenizer maps to its unknown token: one warning with a count.
@@ -139,12 +160,13 @@ def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: 
     if not positions:
         return
     positions = min(positions)
-    new_key, new = max((("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                        ("eval.max_new_tokens", cfg.eval.max_new_tokens or 0)), key=lambda kv: kv[1])
-    budget = positions - new  # the longest prompt that leaves room for max_new_tokens within the positions
+    new_key, new = _room(cfg, env)
+    listed = _listed(tokenizer, env)
+    budget = positions - new - listed  # the longest prompt that leaves room for max_new_tokens within the positions
     if budget < 1:
-        raise ConfigError(f"{new_key}: expected at most {positions - 1} (the model has {positions} positions and a "
-                          f"prompt needs at least one), got {new}")
+        tools = f", {listed} of them to list the tools," if listed else ""
+        raise ConfigError(f"{new_key}: expected at most {positions - 1 - listed} (the model has {positions} positions"
+                          f"{tools} and a prompt needs at least one), got {new}")
     if isinstance(task, DatasetTask):
         if not task.has_held_out and cfg.eval.num_prompts:
             fix = "set data.eval_path, data.eval_split or data.eval_fraction (docs/data.md)" \
@@ -159,8 +181,9 @@ def check_metadata(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: 
                                   f"task {task.name}", max_tokens=budget, use_chat_template=cfg.data.use_chat_template)
     if too_long:
         raise ConfigError(f"data.task_args: {task.name} prompts reach {max(n for _, n in too_long)} tokens, more than "
-                          f"the {budget} the model allows ({positions} positions - {new} for {new_key}); use smaller "
-                          f"task_args or a lower {new_key}")
+                          f"the {budget} the model allows ({positions} positions - {new} for {new_key}"
+                          f"{f' - {listed} for the tool schemas' if listed else ''}); use smaller task_args or a "
+                          f"lower {new_key}")
 
 
 # -- before any weight is loaded -----------------------------------------------------------------------------------
@@ -272,10 +295,10 @@ def check_engines_fit(cfg: TrainerConfig, engines: list[str], available: int | N
 
 
 def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teachers: list[ModelInfo], task: Task, *,
-                         world: int, dp: int, held_out: int) -> None:
+                         world: int, dp: int, held_out: int, env=None) -> None:
     """Every refusal the metadata decides (module docstring), before any weight is read. ``teachers``: the
     in-process teachers' infos (``model.teacher`` or the ``teachers`` entries with a path); ``world``/``dp``: the
-    world and data-parallel sizes; ``held_out``: the held-out problems."""
+    world and data-parallel sizes; ``held_out``: the held-out problems; ``env``: the run's environment or None."""
     check_environment(cfg, world)
     layers = cfg.model.student_from_teacher_layers
     if layers is not None:
@@ -316,7 +339,7 @@ def check_before_loading(cfg: TrainerConfig, tokenizer, student: ModelInfo, teac
                     check_vllm_head_size(t.model, "teacher.engine", t.key)
     if tp > 1 and world > 1 and cfg.rollout.engine == "vllm":
         check_vllm_tp(student.model, tp)
-    check_metadata(cfg, tokenizer, student, teachers, task)
+    check_metadata(cfg, tokenizer, student, teachers, task, env=env)
     check_routing(cfg, task)
     check_held_out(cfg, held_out, world=world, dp=dp)
     if cfg.model.teacher_sharded and world > 1:
@@ -411,10 +434,11 @@ def check_held_out(cfg: TrainerConfig, held_out: int, *, world: int, dp: int) ->
 
 
 def check_context(cfg: TrainerConfig, context, tokenizer, student: ModelInfo, teachers: list[ModelInfo],
-                  source: PromptSource, held_out: list) -> None:
+                  source: PromptSource, held_out: list, env=None) -> None:
     """``teacher.context``: the teacher's own prompt of the first steps' problems (and of the held-out ones where
     the evaluation uses it), rendered through each in-process teacher's tokenizer (the student's for ``model.teacher:
-    self`` and ``eval.prompts: teacher``), must leave room for ``max_new_tokens`` within that model's positions;
+    self`` and ``eval.prompts: teacher``), must leave room for ``max_new_tokens`` (an episode's
+    ``env.max_episode_tokens``; the prompt lists its tools) within that model's positions;
     refused in one line before any weight is read. A longer row later is refused by the teacher that meets it
     (opdistill/teachers/context.py)."""
     from opdistill.data import render_prompt
@@ -425,14 +449,14 @@ def check_context(cfg: TrainerConfig, context, tokenizer, student: ModelInfo, te
     models = list(teachers)
     if cfg.model.teacher == "self" or cfg.eval.prompts == "teacher":
         models.append(student)
-    new_key, new = max((("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                        ("eval.max_new_tokens", cfg.eval.max_new_tokens or 0)), key=lambda kv: kv[1])
+    new_key, new = _room(cfg, env)
+    tools = None if env is None else env.tools.schemas
     for m in models:
         positions = model_positions(m.model)
         tok = m.tokenizer or tokenizer
         if not positions or not problems:
             continue
-        longest = max(len(render_prompt(tok, context(p), use_chat_template=cfg.data.use_chat_template))
+        longest = max(len(render_prompt(tok, context(p), use_chat_template=cfg.data.use_chat_template, tools=tools))
                       for p in problems)
         if longest + new > positions:
             raise ConfigError(f"teacher.context: the teacher's prompt reaches {longest} tokens ({m.key}'s tokenizer), "

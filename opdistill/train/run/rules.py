@@ -314,8 +314,6 @@ def check_env(cfg) -> None:
     _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
     _need(cfg.xtok.mode == "off", "xtok.mode", f"off {why}", cfg.xtok.mode)
     _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)
-    _need(cfg.teacher.context is None, "teacher.context", f"null {why}; a teacher prompt that lists the tools is not "
-          "built yet", "set")
 
 
 def _env(cfg) -> None:

@@ -18,6 +18,7 @@ teacher's request may still be on its way when the step starts (a remote teacher
 """
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -191,16 +192,16 @@ class Collector:
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
-        prompts = [render_prompt(self.tok, p.prompt, use_chat_template=cfg.data.use_chat_template)
-                   if self.env is None else self.env.prompt(p.prompt) for p in problems]
+        render = self.env.prompt if self.env is not None else functools.partial(
+            render_prompt, self.tok, use_chat_template=cfg.data.use_chat_template)  # an episode's: tools listed
+        prompts = [render(p.prompt) for p in problems]
         x_t = None if self.context is None else [self.context(p) for p in problems]
         torch.manual_seed(cfg.train.seed * 1_000_003 + step)
         old = needs_sampler_logprobs(cfg, self.engines)  # else the sampler skips them (a log-sum-exp per token)
         off = cfg.train.method == "off_policy"
         writer = self.writer if off else student
         union = self.teacher is not None and union_ids(cfg.loss)
-        written = prompts if not (off and x_t is not None) else [  # (no env: check_env refuses it)
-            render_prompt(self.tok, x, use_chat_template=cfg.data.use_chat_template) for x in x_t]
+        written = prompts if not (off and x_t is not None) else [render(x) for x in x_t]
         ro = self.engines.generate_rollouts(writer, self.tok, written, n=rc.n, temperature=rc.temperature,
                                             top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens,
                                             min_new_tokens=rc.min_new_tokens, batch_size=rc.batch_size,
