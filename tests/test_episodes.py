@@ -454,6 +454,7 @@ def test_the_trainer_runs_episodes_and_logs_what_the_environment_did(episode_run
         assert m["env/used_tool"] > 0 and m["env/bad_calls"] < 1
     # the memorised student solves both held-out problems through the tool, greedily, at the start
     assert summary["eval_history"][0]["eval/greedy_acc"] == 1.0
+    assert summary["eval_history"][0]["eval/greedy_used_tool"] == 1.0  # both episodes got the tool's answer
 
 
 @pytest.mark.parametrize("method", ["on_policy", "off_policy"])
@@ -485,9 +486,8 @@ def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_
     from opdistill.train.run.rules import check_config
 
     tmp, base = episode_run
-    why = "with env.tools (episodes run on our own sampler, one tokenizer, rows the run samples: docs/episodes.md)"
+    why = "with env.tools (episodes run on replicated samplers, one tokenizer, rows the run samples: docs/episodes.md)"
     for change, message in [
-        ({"rollout": {"engine": "vllm"}}, f"rollout.engine: expected hf {why}, got 'vllm'"),
         ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
         ({"xtok": {"mode": "bpm"}}, f"xtok.mode: expected off {why}, got 'bpm'"),
         ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),

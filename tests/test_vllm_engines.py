@@ -440,3 +440,111 @@ def test_a_vllm_engine_per_rank_under_torchrun_samples_and_trains_as_world1(tmp_
             else:  # a version older from step 2 on
                 assert a["train/staleness"] == min(1, a["step"] - 1)
     assert runs[1, "s1"][0]["3"] != runs[1, "vllm"][0]["3"]  # the stale weights sampled other tokens
+
+
+# -- episodes (SPEC 6.8) through the student engine ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tools_demo():
+    from opdistill.data.tasks import LookupAdditionTask
+    from opdistill.env.demo import demo_environment
+
+    tok = load_tokenizer(f"{DEMO}/tool-student")
+    model = load_model(f"{DEMO}/tool-student", dtype="float32")
+    env = demo_environment(tok)
+    rng = random.Random(0)
+    prompts = [env.prompt(LookupAdditionTask().sample(rng).prompt) for _ in range(6)]
+    return tok, model, env, prompts
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tools_demo):
+    from opdistill.engines.vllm import VllmEngine
+
+    eng = VllmEngine(f"{DEMO}/tool-student", role="student", dtype="float32", seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.vllm
+def test_vllm_episodes_are_our_samplers_greedily_and_their_logprobs_the_hf_forward(tools_demo, tool_engine):
+    """The vLLM student engine writes episodes (SPEC 6.8): greedy, the same rows, mask and counts as our sampler's;
+    sampled, every tool message is the environment's answer to the turn before it, the student's tokens carry vLLM's
+    log-probs (= the HF forward of the whole row), the environment's none, and a prompt's episodes do not depend on
+    the batch (keys per turn)."""
+    from opdistill.engines.episodes import EPISODE_SUMS, run_episodes
+    from opdistill.engines.vllm import EngineSet
+
+    tok, model, env, prompts = tools_demo
+    ours = run_episodes(model, tok, prompts, env, greedy=True, max_new_tokens=48)
+    theirs = run_episodes(model, tok, prompts, env, greedy=True, max_new_tokens=48, engine=tool_engine)
+    for name in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert torch.equal(ours.episode_sums, theirs.episode_sums) and ours.texts == theirs.texts
+    used = EPISODE_SUMS.index("used_tool")
+    assert ours.episode_sums[:, used].sum() >= 3  # episodes with a tool's answer between two turns
+
+    kw = dict(n=2, temperature=1.0, max_new_tokens=48, seed=3, step=1, want_logprobs=True, batch_size=4)
+    ro = EngineSet(student=tool_engine).generate_rollouts(model, tok, prompts, env=env, **kw)  # the trainer's path
+    assert ro.num_rows == 12 and ro.episode_sums[:, used].sum() >= 3
+    hf, _ = _hf_logprobs(model, ro, 1.0)
+    student_tok = torch.zeros_like(ro.response_mask, dtype=torch.bool)
+    student_tok[:, :-1] = ro.response_mask[:, 1:].bool()
+    assert (ro.sampler_logprobs[student_tok] != 0).all() and (ro.sampler_logprobs[~student_tok] == 0).all()
+    diff = (ro.sampler_logprobs - hf)[student_tok].abs().max().item()
+    assert diff < LP_TOL, diff
+    for r in range(ro.num_rows):  # each run of environment tokens: the answer to the student turn before it
+        p = len(prompts[ro.prompt_index[r]])
+        ids, owner = ro.input_ids[r, p:int(ro.attention_mask[r].sum())].tolist(), \
+            ro.response_mask[r, p:int(ro.attention_mask[r].sum())].tolist()
+        k = 0
+        while k < len(ids):
+            turn_end = next((t for t in range(k, len(ids)) if owner[t] == 0), len(ids))
+            if turn_end == len(ids):
+                break
+            env_end = next((t for t in range(turn_end, len(ids)) if owner[t] == 1), len(ids))
+            answer = env.respond(tok.decode(ids[k:turn_end], skip_special_tokens=True))
+            assert answer is not None and answer.ids == ids[turn_end:env_end]
+            k = env_end
+    alone = run_episodes(model, tok, prompts[2:3], env, prompt_offset=2, engine=tool_engine,
+                         **{k: v for k, v in kw.items() if k != "batch_size"})
+    rows = [r for r in range(ro.num_rows) if ro.prompt_index[r] == 2]
+    width = int(alone.attention_mask.sum(-1).max())
+    assert torch.equal(alone.input_ids[:, :width], ro.input_ids[rows, :width])
+    assert torch.equal(alone.episode_sums, ro.episode_sums[rows])
+
+
+@pytest.mark.vllm
+def test_the_trainer_runs_episodes_through_the_vllm_engine(tools_demo, tool_engine, tmp_path, monkeypatch):
+    """The tools demo config with ``rollout.engine: vllm`` (the shared engine standing in for ``open_engines``):
+    episodes from the engine, the student's weights pushed after each step, the env/* metrics and the
+    sampler/trainer gap over the student's tokens logged."""
+    import json
+
+    from opdistill.engines.vllm import EngineSet
+    from opdistill.train import assemble, loop
+    from opdistill.train.run.config import load_config
+
+    tok, model, _, _ = tools_demo
+    pushes = []
+
+    def fake_open(cfg, tok_, student_, resolve):
+        assert cfg.rollout.engine == "vllm"
+        tool_engine.push(student_)
+        return EngineSet(student=tool_engine, mismatch=dict(temperature=cfg.rollout.temperature, tis_cap=None))
+
+    real_push = tool_engine.push
+    monkeypatch.setattr(assemble, "open_engines", fake_open)
+    monkeypatch.setattr(tool_engine, "push", lambda m: pushes.append(1) or real_push(m))
+    monkeypatch.setattr(tool_engine, "close", lambda: None)
+    cfg = load_config("configs/demo_tools.yaml", [
+        f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm", "train.steps=2", "data.prompts_per_step=4",
+        "eval.every=0", "eval.num_prompts=0", "checkpoint.every=0", "checkpoint.save_final=false",
+        "log.progress=false", "log.tensorboard=false"])
+    loop.run_training(cfg, quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "env/turns" in r]
+    assert len(steps) == 2 and len(pushes) == 1 + 2
+    for r in steps:
+        assert r["env/tool_calls"] > 0.5 and r["env/used_tool"] > 0.5  # the packaged student calls the tool
+        assert 0 <= r["rollout/logprob_diff_mean"] < LP_TOL and r["rollout/logprob_diff_max"] < 10 * LP_TOL
+    real_push(model)

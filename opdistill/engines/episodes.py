@@ -1,4 +1,5 @@
-"""Episodes through our keyed sampler (SPEC 6.8): the student writes a turn, the environment answers, until it stops.
+"""Episodes (SPEC 6.8): the student writes a turn, the environment answers, until it stops; through our keyed sampler
+or the vLLM student engine.
 
 Design notes
 - Turn by turn over every live episode at once: turn 0 samples ``n`` per prompt as :func:`generate_rollouts` does
@@ -9,8 +10,10 @@ Design notes
   episode's token budget (``env.max_episode_tokens`` after the prompt). A turn that did not end at EOS ends the
   episode, ``truncated``; so does a turn without a tool call, and the ``max_turns``-th turn.
   An environment answer that would pass the budget ends the episode, truncated, without it.
-- Each prefix is prefilled again at every turn (no KV cache is kept between turns: it would hold every live
-  episode's cache across the tool calls); the cost is one prefill per turn per episode.
+- Our sampler prefills each prefix again at every turn (no KV cache is kept between turns: it would hold every live
+  episode's cache across the tool calls); the cost is one prefill per turn per episode. The vLLM student engine
+  (``engine``) keeps its prefix cache and stays awake from the first turn to the last, so a turn's prefill reuses
+  the KV blocks of the prefix it has already seen; its sampler log-probs are vLLM's, keyed by the same keys.
 - The result is a :class:`~opdistill.engines.rollout.RolloutBatch` whose ``response_mask`` is 1 on the student's
   tokens only: the environment's tokens sit in the row as context (the teacher scores the student's tokens after
   them) and out of every loss, count and metric. ``texts`` are each episode's last student turn (what the verifier
@@ -56,36 +59,52 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
                  min_new_tokens: int = 0, greedy: bool = False, batch_size: int | None = None, seed: int | None = None,
                  step: int = 0, prompt_offset: int = 0, want_logprobs: bool = True, want_texts: bool = True,
-                 want_topk: int = 0) -> RolloutBatch:
+                 want_topk: int = 0, engine=None) -> RolloutBatch:
     """``n`` episodes per prompt (``greedy``: one) in ``env``, laid out for training; the arguments are
     :func:`~opdistill.engines.rollout.generate_rollouts`' (``max_new_tokens``: per turn), the prompts already rendered
-    with the tools listed (:meth:`Environment.prompt`). Module notes."""
+    with the tools listed (:meth:`Environment.prompt`). ``engine``: a vLLM student engine
+    (``opdistill.engines.vllm.VllmEngine``) writes the turns in place of our sampler over ``model``. Module notes."""
     warn_off_policy(greedy=greedy, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)  # (per turn)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     eos, budget = tokenizer.eos_token_id, env.max_episode_tokens
-    kw = dict(eos_id=eos, pad_id=tokenizer.pad_token_id, temperature=temperature, greedy=greedy, top_k=top_k,
-              top_p=top_p, min_new_tokens=min_new_tokens, seed=seed, step=step, batch_size=batch_size,
-              want_logprobs=want_logprobs, want_topk=want_topk)
+    kw = dict(eos_id=eos, temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p,
+              min_new_tokens=min_new_tokens, seed=seed, step=step)
+    if engine is None:
+        kw.update(pad_id=tokenizer.pad_token_id, batch_size=batch_size, want_logprobs=want_logprobs,
+                  want_topk=want_topk)
+    elif want_topk:
+        raise ValueError("the vLLM rollout engine does not return the student's top-k ids: use rollout.engine hf")
+
+    def draw(rows, n, max_new, keys, turn, indices=None) -> tuple[list, list, list | None]:
+        """(tokens, log-probs, top-k ids) of one turn's rows, row-major in (prompt, sample)."""
+        if engine is None:
+            out = sample(model, rows, n=n, max_new_tokens=max_new, prompt_keys=keys, sample_indices=indices,
+                         turn=turn, **kw)
+            return out.tokens, out.logprobs, out.topk_ids
+        tokens, lps = engine.sample(rows, n=n, max_new_tokens=max_new, prompt_keys=keys, sample_indices=indices,
+                                    turn=turn, stay_awake=True, **kw)
+        return tokens, lps, None
+
     episodes: list[_Episode] = []
     live: list[_Episode] = []
     for turn in range(env.max_turns):
         if turn == 0:
-            out = sample(model, prompts, n=n, max_new_tokens=min(max_new_tokens, budget),
-                         prompt_keys=range(prompt_offset, prompt_offset + len(prompts)), turn=0, **kw)
-            episodes = [_Episode(i, j) for i, j in zip(out.prompt_index, out.sample_index)]
+            tokens, lps, tops = draw(prompts, n, min(max_new_tokens, budget),
+                                     list(range(prompt_offset, prompt_offset + len(prompts))), 0)
+            per = 1 if greedy else n
+            episodes = [_Episode(r // per, r % per) for r in range(len(tokens))]  # row-major in (prompt, sample)
             live = list(episodes)
         else:
-            out = sample(model, [prompts[e.prompt] + e.tokens for e in live], n=1,
-                         max_new_tokens=min(max_new_tokens, max(budget - len(e.tokens) for e in live)),
-                         prompt_keys=[prompt_offset + e.prompt for e in live],
-                         sample_indices=[e.sample for e in live], turn=turn, **kw)
+            tokens, lps, tops = draw([prompts[e.prompt] + e.tokens for e in live], 1,
+                                     min(max_new_tokens, max(budget - len(e.tokens) for e in live)),
+                                     [prompt_offset + e.prompt for e in live], turn, [e.sample for e in live])
         going = []
         for r, e in enumerate(live):
             room = budget - len(e.tokens)
-            ids = out.tokens[r][:room]
-            e.add(ids, 1, out.logprobs[r][:room] if want_logprobs else None,
-                  out.topk_ids[r][:room] if want_topk else None, want_topk)
+            ids = tokens[r][:room]
+            e.add(ids, 1, lps[r][:room] if want_logprobs else None, tops[r][:room] if want_topk else None,
+                  want_topk)
             e.last = ids
             e.counts["turns"] += 1
             if not ids or ids[-1] != eos:  # cut by max_new_tokens or the budget: the episode ends here, truncated
@@ -111,6 +130,8 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
         live = going
         if not live:
             break
+    if engine is not None:
+        engine.sleep()
     texts = [tokenizer.decode(e.last, skip_special_tokens=True) for e in episodes] if want_texts else None
     batch = make_batch([prompts[e.prompt] for e in episodes], [e.tokens for e in episodes],
                        [e.logprobs for e in episodes], [e.prompt for e in episodes], texts, tokenizer.pad_token_id,

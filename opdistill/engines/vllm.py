@@ -222,9 +222,18 @@ class VllmEngine:
     # -- student sampling ------------------------------------------------------------------------------------------
     def sample(self, prompts: list[list[int]], *, eos_id: int | None, n: int = 1, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64, min_new_tokens: int = 0,
-               greedy: bool = False, seed: int = 0, step: int = 0, prompt_offset: int = 0):
+               greedy: bool = False, seed: int = 0, step: int = 0, prompt_offset: int = 0,
+               prompt_keys: list[int] | None = None, sample_indices: list[int] | None = None, turn: int = 0,
+               stay_awake: bool = False):
         """``(tokens, logprobs)`` per row, rows in prompt-major order (row ``i * n + j``): sample ``j`` of
-        ``prompts[i]`` keyed by ``(seed, step, prompt_offset + i, j)``; tokens cut after the first EOS (included)."""
+        ``prompts[i]`` keyed by ``(seed, step, prompt_offset + i, j)``; tokens cut after the first EOS (included).
+        An episode's turn (opdistill/engines/episodes.py): ``prompt_keys[i]`` in place of ``prompt_offset + i``,
+        ``sample_indices[i]`` in place of ``j`` (``n`` 1), ``turn`` in the key; ``stay_awake``: the engine does not
+        sleep after the call (the next turn reuses the prefix's cached KV blocks)."""
+        if sample_indices is not None and (n != 1 or len(sample_indices) != len(prompts)):
+            raise ValueError(f"sample_indices: expected one per prompt with n=1, got {len(sample_indices)} for "
+                             f"{len(prompts)} prompts with n={n}")
+        keys = [prompt_offset + i for i in range(len(prompts))] if prompt_keys is None else list(prompt_keys)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -235,11 +244,12 @@ class VllmEngine:
         reqs, params = [], []
         for i, p in enumerate(prompts):
             for j in range(n):
+                j = j if sample_indices is None else sample_indices[i]
                 reqs.append(TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
                     max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0, detokenize=False,
-                    seed=None if greedy else row_key(seed, step, prompt_offset + i, j) & (2**63 - 1),
+                    seed=None if greedy else row_key(seed, step, keys[i], j, turn) & (2**63 - 1),
                     stop_token_ids=[] if eos_id is None else [eos_id], ignore_eos=False))
         outs = self.llm.generate(reqs, params, use_tqdm=False)
         tokens, logprobs = [], []
@@ -250,7 +260,8 @@ class VllmEngine:
                 toks = toks[: toks.index(eos_id) + 1]
             tokens.append(toks)
             logprobs.append([float(d[t].logprob) for d, t in zip(c.logprobs, toks)])
-        self.sleep()
+        if not stay_awake:
+            self.sleep()
         return tokens, logprobs
 
     def generate_rollouts(self, tokenizer, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0,
@@ -316,20 +327,19 @@ class EngineSet:
         return self.student is not None and self.student.tensor_parallel_size > 1
 
     def generate_rollouts(self, model, tokenizer, prompts, env=None, **kw) -> RolloutBatch:
-        """The rollouts of ``prompts``: single responses, or episodes in ``env`` (SPEC 6.8: our sampler only)."""
-        if env is not None:
-            if self.student is not None:
-                raise ValueError("env.tools: episodes run on our sampler; use rollout.engine hf")
-            from opdistill.engines.episodes import run_episodes
-
-            return run_episodes(model, tokenizer, prompts, env, **kw)
-        if self.student is None:
-            return generate_rollouts(model, tokenizer, prompts, **kw)
-        kw.pop("batch_size", None)  # vLLM schedules its own batches
-        kw.pop("want_logprobs", None)
-        if kw.pop("want_topk", 0):
+        """The rollouts of ``prompts``: single responses, or episodes in ``env`` (SPEC 6.8), from our sampler or the
+        student engine."""
+        if self.student is not None and kw.get("want_topk", 0):
             raise ValueError("the vLLM rollout engine does not return the student's top-k ids (loss.support union): "
                              "use rollout.engine hf")
+        if env is not None:
+            from opdistill.engines.episodes import run_episodes
+
+            return run_episodes(model, tokenizer, prompts, env, engine=self.student, **kw)
+        if self.student is None:
+            return generate_rollouts(model, tokenizer, prompts, **kw)
+        for name in ("batch_size", "want_logprobs", "want_topk"):  # vLLM schedules its own batches, always logs
+            kw.pop(name, None)
         return self.student.generate_rollouts(tokenizer, prompts, **kw)
 
     def sync(self, student) -> None:

@@ -38,6 +38,8 @@ METRICS = {
     "eval/student_mass": ("student_mass_sum", "tokens"),
     "eval/teacher_mass": ("teacher_mass_sum", "tokens"),
     "eval/overlap_ratio": ("overlap_count", "overlap_slots"),
+    "eval/greedy_used_tool": ("greedy_used_tool", "problems"),  # episodes (SPEC 6.8): a tool answered a call
+    "eval/sampled_used_tool": ("sampled_used_tool", "samples"),
 }
 
 
@@ -63,6 +65,8 @@ class EvalValues:
     teacher_mass_sum: torch.Tensor | None = None
     overlap_count: torch.Tensor | None = None
     overlap_slots: torch.Tensor | None = None  # K x tokens
+    greedy_used_tool: torch.Tensor | None = None  # episodes: 1 where the greedy episode got a tool's answer
+    sampled_used_tool: torch.Tensor | None = None  # how many of the samples' episodes did
 
     @property
     def num_problems(self) -> int:

@@ -307,10 +307,9 @@ def _function_spec(spec: str, key: str, expected: str) -> None:
 
 
 def check_env(cfg) -> None:
-    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: our sampler, not
-    sharded decoding, one tokenizer, rows the run samples."""
-    why = "with env.tools (episodes run on our own sampler, one tokenizer, rows the run samples: docs/episodes.md)"
-    _need(cfg.rollout.engine == "hf", "rollout.engine", f"hf {why}", cfg.rollout.engine)
+    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: not sharded
+    decoding, one tokenizer, rows the run samples."""
+    why = "with env.tools (episodes run on replicated samplers, one tokenizer, rows the run samples: docs/episodes.md)"
     _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
     _need(cfg.xtok.mode == "off", "xtok.mode", f"off {why}", cfg.xtok.mode)
     _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from opdistill import shift_for_next_token
 from opdistill.data import Problem, Task, render_prompt
 from opdistill.ops import topk_divergence
-from opdistill.engines.episodes import run_episodes
+from opdistill.engines.episodes import EPISODE_SUMS, run_episodes
 from opdistill.engines.rollout import generate_rollouts
 from opdistill.engines.sampler import Lockstep, lockstep
 from opdistill.runs.values import EvalValues
@@ -85,6 +85,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
                               batch_size=batch_size, want_logprobs=False)
         vals.greedy_correct = torch.tensor([float(task.score(p, t)) for p, t in zip(problems, g.texts)],
                                            dtype=torch.float64)
+        if env is not None:
+            vals.greedy_used_tool = _used_tool(g, P)
     if not sampled:
         return vals
     s = rollouts(student, tokenizer, prompts, n=num_samples, temperature=temperature,
@@ -94,6 +96,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     correct = torch.tensor([float(task.score(problems[i], t)) for i, t in zip(idx, s.texts)])
     vals.samples = _per_problem(torch.ones(s.num_rows), idx, P)
     vals.sampled_correct = _per_problem(correct, idx, P)
+    if env is not None:
+        vals.sampled_used_tool = _used_tool(s, P)
     _, mask = shift_for_next_token(s.input_ids, s.response_mask)
     m = mask.bool()
     vals.tokens = _per_problem(m.sum(-1), idx, P)
@@ -143,6 +147,12 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals.teacher_mass_sum, vals.overlap_count = _per_problem(p, idx, P), _per_problem(overlap, idx, P)
     vals.overlap_slots = vals.tokens * ids.shape[-1]
     return vals
+
+
+def _used_tool(episodes, num_problems: int) -> torch.Tensor:
+    """Per problem, how many of its episodes got a tool's answer (``used_tool`` of their counts)."""
+    return _per_problem(episodes.episode_sums[:, EPISODE_SUMS.index("used_tool")], episodes.prompt_index,
+                        num_problems)
 
 
 DIAGNOSTIC_LOGITS = 1 << 25  # logits (fp32: 128 MiB) per forward of the top-k diagnostics
