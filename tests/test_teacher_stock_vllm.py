@@ -73,9 +73,16 @@ def _rows():
 @pytest.fixture(scope="module")
 def demo_rows():
     """The demo student's samples (sent twice: vLLM's prefix cache holds them the second time, which
-    prompt_logprobs requests must not read), plus random rows."""
+    prompt_logprobs requests must not read), random rows, and the samples with holes in their masks (episodes)."""
     rows = demo_student_rows()
-    return [rows, rows, _rows()]
+    ids, am, rm = rows
+    holes = rm.clone()  # an episode's layout (SPEC 6.8): environment tokens inside the response, out of the mask
+    for b in range(ids.shape[0]):
+        where = rm[b].nonzero().flatten()
+        if where.numel() > 6:
+            holes[b, where[2]:where[2] + 3] = 0
+    assert (holes != rm).any()
+    return [rows, rows, _rows(), (ids, am, holes)]
 
 
 @pytest.mark.parametrize("k", [MAX_LOGPROBS, 8, None])
