@@ -53,11 +53,11 @@ def main():
 
     def parts(teacher, request):
         t0 = time.perf_counter()
-        t_rows, texts, _, p_t = teacher.teacher_rows(rows)
+        t_rows, texts, spans = teacher.teacher_rows(rows)
         t1 = time.perf_counter()
         got = teacher.inner.score(t_rows, ScoreRequest(k=teacher.teacher_topk, sampled=True))
         t2 = time.perf_counter()
-        map_rows(teacher.vmap, texts, *teacher.candidates(got, texts, p_t), k=request.k, mode=teacher.mode)
+        map_rows(teacher.vmap, texts, *teacher.candidates(got, texts, spans), k=request.k, mode=teacher.mode)
         t3 = time.perf_counter()
         return {"re-tokenize": t1 - t0, "teacher forward": t2 - t1, "mapping": t3 - t2, "total": t3 - t0}
 

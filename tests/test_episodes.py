@@ -5,6 +5,7 @@ independent of how the step is split, and the trainer running it end to end.
 The expectations come from the episodes' definition: ``scripted_episode`` lays out prompt, turns and the template's
 tool messages by hand; the teacher's log-probs are a float64 forward of the whole episode."""
 import copy
+import dataclasses
 import json
 import threading
 
@@ -344,6 +345,126 @@ def test_an_episode_moves_whole_onto_another_prompt(tok, env, caller):
     assert torch.equal(moved.episode_sums, b.episode_sums) and moved.texts == b.texts
 
 
+# a teacher tokenizer of the same characters in another order, with another chat template (tools listed another way,
+# tool messages as "R[name]=...")
+OTHER_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Use:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}Q:{{ m.content }}\n"
+    "{% elif m.role == 'assistant' %}B:{{ m.content }}{{ eos_token }}\n"
+    "{% elif m.role == 'tool' %}R[{{ m.name }}]={{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}B:{% endif %}")
+
+
+def _episode_rows(tok, env, caller):
+    """Greedy and sampled episodes of the tool-calling student as a teacher reads them, with their tool results."""
+    prompts = [p for p, _ in SCRIPTS]
+    out = []
+    for kw in ({"greedy": True}, {"n": 2, "temperature": 1.0, "seed": 4}):
+        ro = run_episodes(caller, tok, [env.prompt(p) for p in prompts], env, max_new_tokens=80, **kw)
+        out.append(Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
+                        prompts=tuple(prompts[i] for i in ro.prompt_index), tool_results=tuple(ro.episode_results)))
+    assert sum(len(r) for r in out[0].tool_results) >= 2  # episodes with tool results between their turns
+    return out
+
+
+def test_a_cross_tokenizer_teacher_with_one_tokenizer_scores_episodes_as_the_teacher_does(tok, env, caller):
+    """xtok over episodes (SPEC 6.6 x 6.8), the same tokenizer and template on both sides: the teacher's row is the
+    student's (its prompt lists the tools, its template writes the same tool results), so every student token gets
+    exactly the plain teacher's scores, and only the student's tokens are counted."""
+    from opdistill.teachers.xtok import CrossTokenizerTeacher
+
+    local = LocalTeacher(tiny_model(tok, seed=7))
+    cross = CrossTokenizerTeacher(local, tok, tok, teacher_topk=len(tok), teacher_width=len(tok),
+                                  tools=env.tools.schemas)
+    for rows in _episode_rows(tok, env, caller):
+        t_rows = cross.teacher_rows(rows)[0]
+        assert torch.equal(t_rows.input_ids, rows.input_ids) and torch.equal(t_rows.response_mask, rows.response_mask)
+        req = ScoreRequest(k=4, sampled=True)
+        plain, mapped = local.score(rows, req), cross.score(rows, req)
+        scored = rows.scored()
+        assert mapped.sums["positions"] == float(scored.sum()) == mapped.sums["exact"] and mapped.sums["masked"] == 0
+        torch.testing.assert_close(mapped.sampled_logprobs[scored], plain.sampled_logprobs[scored], rtol=0, atol=1e-6)
+        torch.testing.assert_close(mapped.topk.logprobs[scored], plain.topk.logprobs[scored], rtol=0, atol=1e-6)
+        assert (mapped.sampled_logprobs[~scored] == 0).all()
+
+
+def test_a_cross_tokenizer_teacher_reads_the_tool_results_in_its_own_template(tok, env, caller):
+    """Another tokenizer (the characters in another order) and another template: the teacher's row is the whole
+    conversation as its own template writes it (tools listed, tool messages as R[name]=...), built by hand here from
+    the messages; each student token's mapped log-prob is the teacher forward's at the same character there."""
+    from opdistill.models import char_tokenizer
+    from opdistill.teachers.xtok import CrossTokenizerTeacher
+    from opdistill.xtok.tokens import render_chat
+    from tests.episode_helpers import CHARS
+
+    t_tok = char_tokenizer(CHARS[::-1], chat_template=OTHER_TEMPLATE)
+    teacher = tiny_model(t_tok, seed=9)
+    cross = CrossTokenizerTeacher(LocalTeacher(teacher), tok, t_tok, teacher_topk=len(t_tok),
+                                  teacher_width=len(t_tok), tools=env.tools.schemas)
+    for rows in _episode_rows(tok, env, caller):
+        t_rows = cross.teacher_rows(rows)[0]
+        got = cross.score(rows, ScoreRequest(k=None, sampled=True))
+        for b in range(rows.num_rows):
+            n = int(rows.attention_mask[b].sum())
+            owners = rows.response_mask[b, :n].tolist()
+            start = owners.index(1)
+            turns, t = [], start  # the student's turns as text (EOS dropped), from the runs of its mask
+            while t < n:
+                e = t
+                while e < n and owners[e]:
+                    e += 1
+                turns.append((t, e))
+                t = e
+                while t < n and not owners[t]:
+                    t += 1
+            msgs = [{"role": "user", "content": rows.prompts[b]}]
+            for j, (t0, t1) in enumerate(turns[:-1]):
+                msgs.append({"role": "assistant", "content": tok.decode(rows.input_ids[b, t0:t1],
+                                                                        skip_special_tokens=True)})
+                msgs += [{"role": "tool", "name": name, "content": text} for name, text in rows.tool_results[b][j]]
+            head = render_chat(t_tok, msgs, add_generation_prompt=True, tools=env.tools.schemas)
+            last = rows.input_ids[b, turns[-1][0]:turns[-1][1]].tolist()
+            text = head + tok.decode(last, skip_special_tokens=True)
+            ids = t_tok(text, add_special_tokens=False)["input_ids"] + ([t_tok.eos_token_id]
+                                                                       if last[-1] == tok.eos_token_id else [])
+            assert t_rows.input_ids[b, :len(ids)].tolist() == ids and int(t_rows.attention_mask[b].sum()) == len(ids)
+            with torch.no_grad():
+                lp = torch.log_softmax(copy.deepcopy(teacher).double()(torch.tensor([ids])).logits[0], -1)
+            # student token at position p (owned) <-> teacher token at the same place of the hand-built row: walk
+            # both rows turn by turn (every character is one token on both sides)
+            firsts = [i for i, m in enumerate(t_rows.response_mask[b].tolist()) if m and
+                      (i == 0 or not t_rows.response_mask[b, i - 1])]
+            assert len(firsts) == len(turns)
+            for (t0, t1), f in zip(turns, firsts):
+                for i in range(t1 - t0):
+                    s_pos, t_pos = t0 + i, f + i
+                    ref = lp[t_pos - 1, ids[t_pos]].item()
+                    assert abs(got.sampled_logprobs[b, s_pos - 1].item() - ref) < 1e-5, (b, s_pos)
+                    assert cross.vmap.student.table[int(rows.input_ids[b, s_pos])] == \
+                        cross.vmap.teacher.table[ids[t_pos]]  # the same character (or EOS) on both sides
+        env_pos = ~rows.scored() & (torch.arange(rows.width)[None] >= rows.response_starts()[:, None] - 1)
+        assert (got.sampled_logprobs[env_pos] == 0).all()
+        assert got.sums["positions"] == float(rows.response_mask.sum()) == got.sums["exact"]
+
+
+def test_episodes_without_their_tool_results_are_refused_by_a_cross_tokenizer_teacher(tok, env, caller):
+    from opdistill.teachers.base import TeacherError
+    from opdistill.teachers.xtok import CrossTokenizerTeacher
+
+    rows = _episode_rows(tok, env, caller)[0]
+    local = LocalTeacher(tiny_model(tok, seed=7))
+    bare = dataclasses.replace(rows, tool_results=None)
+    with pytest.raises(TeacherError, match=r"row 0 is an episode of 2 student turns, .* it needs 1 tool results in "
+                                           r"Rows.tool_results, got none$"):
+        CrossTokenizerTeacher(local, tok, tok, tools=env.tools.schemas).score(bare, ScoreRequest(sampled=True))
+    with pytest.raises(TeacherError, match=r"it needs the run's tools \(CrossTokenizerTeacher\(tools=...\)\)$"):
+        CrossTokenizerTeacher(local, tok, tok).score(rows, ScoreRequest(sampled=True))
+    plain = tool_tokenizer(template="{{ bos_token }}{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}"
+                                    "{% endif %}{% endfor %}")
+    with pytest.raises(ConfigError, match=r"^xtok.mode: the chat template of .* writes no tool messages"):
+        CrossTokenizerTeacher(local, tok, plain, tools=env.tools.schemas)
+
+
 def _grads(student, data, budget, loss_cfg):
     model = copy.deepcopy(student).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -482,14 +603,35 @@ def test_an_identity_teacher_context_with_tools_is_the_plain_run(episode_run, tm
     assert all(calls > 0 for _, calls, _ in seen[0])  # episodes with tool results between the turns
 
 
+def test_a_cross_tokenizer_teacher_of_one_tokenizer_trains_on_episodes_as_the_plain_run(episode_run, tmp_path):
+    """``xtok.mode: bpm`` with tools, the teacher's tokenizer the student's: the tool results reach the wrapper (the
+    training step's rows and the evaluation's), the teacher's prompt lists the tools, and the run's losses and
+    held-out teacher-KL equal the run without the wrapper."""
+    from opdistill.train import run_training
+
+    tmp, base = episode_run
+    seen = []
+    for xtok in ({}, {"mode": "bpm"}):
+        run = tmp_path / f"run-{bool(xtok)}"
+        cfg = {**base, "run_dir": str(run), "xtok": xtok, "checkpoint": {"every": 0},
+               "eval": {**base["eval"], "sampled": True}}
+        summary = run_training(load_config(base=cfg), quiet=True)
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in lines if "env/turns" in m]
+        assert len(steps) == 2 and all(m["env/tool_calls"] > 0 for m in steps)
+        seen.append(([m["distillation/loss"] for m in steps], summary["eval_history"][-1]["eval/teacher_kl"]))
+        if xtok:
+            assert all(m["xtok/exact_frac"] == 1.0 and m["xtok/masked_frac"] == 0.0 for m in steps)
+    assert seen[1][0] == pytest.approx(seen[0][0], rel=1e-5) and seen[1][1] == pytest.approx(seen[0][1], rel=1e-5)
+
+
 def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_run, tmp_path):
     from opdistill.train.run.rules import check_config
 
     tmp, base = episode_run
-    why = "with env.tools (episodes run on replicated samplers, one tokenizer, rows the run samples: docs/episodes.md)"
+    why = "with env.tools (episodes run on replicated samplers, over rows the run samples: docs/episodes.md)"
     for change, message in [
         ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
-        ({"xtok": {"mode": "bpm"}}, f"xtok.mode: expected off {why}, got 'bpm'"),
         ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),
     ]:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}

@@ -17,7 +17,8 @@ Design notes
 - The result is a :class:`~opdistill.engines.rollout.RolloutBatch` whose ``response_mask`` is 1 on the student's
   tokens only: the environment's tokens sit in the row as context (the teacher scores the student's tokens after
   them) and out of every loss, count and metric. ``texts`` are each episode's last student turn (what the verifier
-  and reward functions read); ``episode_sums`` hold the per-row counts the trainer logs as ``env/*``.
+  and reward functions read); ``episode_sums`` hold the per-row counts the trainer logs as ``env/*``, and
+  ``episode_results`` each row's tool results in order (what a teacher with its own chat template writes them from).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class _Episode:
     logprobs: list = field(default_factory=list)
     topk: list = field(default_factory=list)
     last: list = field(default_factory=list)  # the last student turn's tokens
+    results: list = field(default_factory=list)  # per environment answer in the row: its (tool name, text) pairs
     counts: dict = field(default_factory=lambda: dict.fromkeys(EPISODE_SUMS, 0))
 
     def add(self, ids, owner: int, logprobs=None, topk=None, width: int = 0):
@@ -125,6 +127,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
                 e.counts["truncated"] += 1
                 continue
             e.add(answer.ids, 0, width=want_topk)
+            e.results.append(tuple((o.name, o.text) for o in answer.observations))
             e.counts["env_tokens"] += len(answer.ids)
             going.append(e)
         live = going
@@ -136,6 +139,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
     batch = make_batch([prompts[e.prompt] for e in episodes], [e.tokens for e in episodes],
                        [e.logprobs for e in episodes], [e.prompt for e in episodes], texts, tokenizer.pad_token_id,
                        [e.topk for e in episodes] if want_topk else None, owners=[e.owners for e in episodes])
+    batch.episode_results = [tuple(e.results) for e in episodes]
     batch.episode_sums = torch.tensor([[float(e.counts[k]) for k in EPISODE_SUMS] for e in episodes],
                                       dtype=torch.float64).reshape(len(episodes), len(EPISODE_SUMS))
     return batch

@@ -34,6 +34,7 @@ class RolloutBatch:
     texts: list[str] | None  # decoded responses, special tokens removed (None when not asked for)
     sampler_topk: torch.Tensor | None = None  # [B, S, K] int64: row t = the top-K ids of token t+1's distribution
     episode_sums: torch.Tensor | None = None  # [B, len(EPISODE_SUMS)] float64: an episode's counts (engines/episodes)
+    episode_results: list | None = None  # per row, per environment answer in it, its (tool name, text) pairs
 
     @property
     def num_rows(self) -> int:
@@ -57,7 +58,7 @@ class RolloutBatch:
                 tops.append(self.sampler_topk[r, start - 1:end - 1].tolist())
         out = make_batch([prompts[i] for i in self.prompt_index], responses, lps, self.prompt_index, self.texts,
                          pad_id, tops if self.sampler_topk is not None else None, owners=owners)
-        out.episode_sums = self.episode_sums
+        out.episode_sums, out.episode_results = self.episode_sums, self.episode_results
         return out
 
 

@@ -22,7 +22,7 @@ from opdistill.env.tools import CallFormat, Observation, Tools
 from opdistill.errors import ConfigError
 from opdistill.xtok.tokens import render_chat
 
-__all__ = ["Environment", "EnvTurn"]
+__all__ = ["Environment", "EnvTurn", "ToolMessages"]
 
 _PROBE = "opdistill-probe-7f3a"  # a result text no template writes by itself
 
@@ -33,6 +33,47 @@ class EnvTurn:
 
     observations: tuple[Observation, ...]
     ids: list[int]
+
+
+class ToolMessages:
+    """How a tokenizer's chat template writes tool messages after an assistant turn (module notes): :meth:`text` of
+    ``(tool name, result)`` pairs is the template's text from the end of the assistant turn (its EOS included) to the
+    next generation prompt. Checked at construction, one ConfigError naming ``name`` (``key``: the config key) for a
+    template that does not write an assistant turn's content, writes no tool messages, or does not grow turn by
+    turn. The student's environment writes its tool messages with one; a cross-tokenizer teacher writes the same
+    results through its own template with another (opdistill/teachers/xtok.py)."""
+
+    _TURN = "opdistill-turn-5c1d"
+    _BASE = ({"role": "user", "content": "opdistill-user-2b9e"}, {"role": "assistant", "content": _TURN})
+
+    def __init__(self, tokenizer, name: str, key: str = "env.tools"):
+        self.tokenizer = tokenizer
+        before = render_chat(tokenizer, list(self._BASE), add_generation_prompt=False)
+        end = before.find(self._TURN)
+        if end < 0:
+            raise ConfigError(f"{key}: the chat template of {name} does not write an assistant turn's content")
+        end += len(self._TURN)
+        if tokenizer.eos_token is not None and before[end:].startswith(tokenizer.eos_token):
+            end += len(tokenizer.eos_token)
+        after = render_chat(tokenizer, [*self._BASE, {"role": "tool", "name": "probe", "content": _PROBE}],
+                            add_generation_prompt=True)
+        if after[:end] != before[:end]:
+            raise ConfigError(f"{key}: the chat template of {name} writes the conversation before a tool message "
+                              "differently once one follows, so an episode cannot grow turn by turn")
+        if _PROBE not in after[end:]:
+            raise ConfigError(f"{key}: the chat template of {name} writes no tool messages (a tool result "
+                              "disappears from its text); give it a template with a 'tool' role")
+        self._end = end
+
+    def text(self, results) -> str:
+        """The template's text for tool messages holding ``results`` ((tool name, text) pairs), after an assistant
+        turn closed at EOS, up to and including the next generation prompt."""
+        tool_msgs = [{"role": "tool", "name": name, "content": text} for name, text in results]
+        return render_chat(self.tokenizer, [*self._BASE, *tool_msgs], add_generation_prompt=True)[self._end:]
+
+    def ids(self, results) -> list[int]:
+        """:meth:`text` in the tokenizer's ids."""
+        return list(self.tokenizer(self.text(results), add_special_tokens=False)["input_ids"])
 
 
 class Environment:
@@ -61,7 +102,7 @@ class Environment:
                               "env.calls_in_prompt: true if your prompts teach the model the format")
         if tokenizer.eos_token is None:
             raise ConfigError("env.tools: the student's tokenizer has no end-of-sequence token to end a turn with")
-        self._end = self._turn_end(name)
+        self.messages = ToolMessages(self.tokenizer, name)
 
     def prompt(self, prompt) -> list[int]:
         """A problem's prompt (a string or chat messages) as the student reads it: through the chat template with the
@@ -75,33 +116,4 @@ class Environment:
         if not bodies:
             return None
         obs = tuple(self.tools.call(b) for b in bodies)
-        return EnvTurn(obs, list(self.tokenizer(self._tool_text(obs), add_special_tokens=False)["input_ids"]))
-
-    _TURN = "opdistill-turn-5c1d"
-    _BASE = ({"role": "user", "content": "opdistill-user-2b9e"}, {"role": "assistant", "content": _TURN})
-
-    def _tool_text(self, observations) -> str:
-        """The template's text after an assistant turn closed at EOS, for tool messages holding ``observations``, up
-        to and including the next generation prompt (module notes)."""
-        tool_msgs = [{"role": "tool", "name": o.name, "content": o.text} for o in observations]
-        return render_chat(self.tokenizer, [*self._BASE, *tool_msgs], add_generation_prompt=True)[self._end:]
-
-    def _turn_end(self, name: str) -> int:
-        """Where the assistant turn of the fixed conversation ends in the template's text (after its EOS, when the
-        template writes one there), checked: the conversation with tool messages extends it, and writes them."""
-        before = render_chat(self.tokenizer, list(self._BASE), add_generation_prompt=False)
-        end = before.find(self._TURN)
-        if end < 0:
-            raise ConfigError(f"env.tools: the chat template of {name} does not write an assistant turn's content")
-        end += len(self._TURN)
-        if before[end:].startswith(self.tokenizer.eos_token):
-            end += len(self.tokenizer.eos_token)
-        after = render_chat(self.tokenizer, [*self._BASE, {"role": "tool", "name": "probe", "content": _PROBE}],
-                            add_generation_prompt=True)
-        if after[:end] != before[:end]:
-            raise ConfigError(f"env.tools: the chat template of {name} writes the conversation before a tool message "
-                              "differently once one follows, so an episode cannot grow turn by turn")
-        if _PROBE not in after[end:]:
-            raise ConfigError(f"env.tools: the chat template of {name} writes no tool messages (a tool result "
-                              "disappears from its text); give the student a template with a 'tool' role")
-        return end
+        return EnvTurn(obs, self.messages.ids([(o.name, o.text) for o in obs]))

@@ -49,7 +49,9 @@ class Rows:
     ``prompts`` (each row's prompt as the data gave it, a string or chat messages, or None): what a teacher with
     another tokenizer renders through its own chat template (opdistill/teachers/xtok.py), and ``teacher_prompts``
     (each row's teacher-side prompt x', SPEC 6.7, or None): what a privileged-context teacher scores the response
-    under (opdistill/teachers/context.py)."""
+    under (opdistill/teachers/context.py), and ``tool_results`` (an episode's, SPEC 6.8: per row, per environment
+    answer in it, its (tool name, text) pairs, or None): what a cross-tokenizer teacher writes through its own chat
+    template between the student's turns."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -57,6 +59,7 @@ class Rows:
     tags: tuple | None = None
     prompts: tuple | None = None
     teacher_prompts: tuple | None = None
+    tool_results: tuple | None = None
 
     @property
     def num_rows(self) -> int:
@@ -88,7 +91,7 @@ class Rows:
             return None if values is None else tuple(values[i] for i in pick)
 
         return Rows(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], take(self.tags),
-                    take(self.prompts), take(self.teacher_prompts))
+                    take(self.prompts), take(self.teacher_prompts), take(self.tool_results))
 
     def describe(self) -> str:
         return f"{self.num_rows} rows x {self.width} positions"

@@ -180,7 +180,8 @@ def _across(cfg, teacher: Teacher, context: TeacherContext, teacher_tok, *, mode
     """The one place a teacher is wrapped to answer in the student's tokens (in process or served)."""
     return CrossTokenizerTeacher(teacher, context.tokenizer, teacher_tok, mode=mode,
                                  teacher_topk=cfg.xtok.teacher_topk if teacher_topk is None else teacher_topk,
-                                 use_chat_template=cfg.data.use_chat_template, teacher_width=teacher_width, key=key)
+                                 use_chat_template=cfg.data.use_chat_template, teacher_width=teacher_width, key=key,
+                                 tools=context.tools)
 
 
 def _served_across(cfg, client: Teacher, clients: list, key: str, context: TeacherContext) -> Teacher:

@@ -79,7 +79,7 @@ class ContextTeacher(WrappedTeacher):
             ids[b, t:t + n] = rows.input_ids[b, s:s + n]
             am[b, :t + n] = 1
             rm[b, t:t + n] = rows.response_mask[b, s:s + n]
-        return Rows(ids, am, rm, rows.tags, rows.teacher_prompts), p_s, p_t - p_s
+        return Rows(ids, am, rm, rows.tags, rows.teacher_prompts, tool_results=rows.tool_results), p_s, p_t - p_s
 
     def score(self, rows: Rows, request: ScoreRequest) -> TeacherScores:
         t_rows, p_s, shift = self.teacher_rows(rows)

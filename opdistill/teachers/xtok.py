@@ -17,8 +17,14 @@ teacher server, a member of a routed set) and answers in the student's tokens:
 5. the scores carry ``mask`` (positions without a signal: the trainer drops them from the step and counts them) and
    the sums behind ``xtok/exact_frac``, ``xtok/residual_mass`` and ``xtok/masked_frac``.
 
-The same tokenizer on both sides gives the same-tokenizer losses (tested); the wrapper is built only when
-``xtok.mode`` asks for it, so a teacher with another tokenizer is still refused without it.
+An episode (SPEC 6.8) is mapped turn by turn: the teacher's row is its own prompt (the tools listed), then each
+student turn in its tokens, and between two turns the same tool results written by the teacher's chat template
+(``Rows.tool_results``, :class:`~opdistill.env.ToolMessages`), as the teacher would read them in its own format. Each
+turn is mapped as a response of its own (its context: everything before it in the teacher's row), so only the
+student's turns are mapped and counted; the environment's positions carry no signal.
+
+The same tokenizer on both sides gives the same-tokenizer losses (tested, episodes too); the wrapper is built only
+when ``xtok.mode`` asks for it, so a teacher with another tokenizer is still refused without it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import copy
 import torch
 
 from opdistill.data import render_prompts
+from opdistill.env.environment import ToolMessages
 from opdistill.loss import TeacherScores, TeacherTopK
 from opdistill.teachers.base import Rows, ScoreRequest, Teacher, TeacherError, WrappedTeacher
 from opdistill.xtok import RowText, VocabMap, map_rows, token_bytes
@@ -44,10 +51,13 @@ class CrossTokenizerTeacher(WrappedTeacher):
 
     ``student_tok`` / ``teacher_tok``: the two tokenizers; ``mode``: "bpm" or "sampled"; ``teacher_topk``: the
     teacher's top-K_T asked per position (capped at its vocabulary; the whole vocabulary makes the mapping exact
-    where the rest is unknown); ``use_chat_template``: render prompts through the teacher's chat template."""
+    where the rest is unknown); ``use_chat_template``: render prompts through the teacher's chat template;
+    ``tools``: an episode's tool schemas (SPEC 6.8), which the teacher's prompts list; its template must then write
+    tool messages (checked here, one ConfigError)."""
 
     def __init__(self, inner: Teacher, student_tok, teacher_tok, *, mode: str = "bpm", teacher_topk: int = 256,
-                 use_chat_template: bool = True, teacher_width: int | None = None, key: str | None = None):
+                 use_chat_template: bool = True, teacher_width: int | None = None, key: str | None = None,
+                 tools: list | None = None):
         if mode not in ("bpm", "sampled"):
             raise ValueError(f"xtok.mode: expected bpm or sampled, got {mode!r}")
         super().__init__(inner)
@@ -57,6 +67,9 @@ class CrossTokenizerTeacher(WrappedTeacher):
         self.sum_names, self.masks = SUM_NAMES, True
         self.student_tok, self.teacher_tok = student_tok, teacher_tok
         self.use_chat_template = use_chat_template
+        self.tools = tools
+        self.messages = None if tools is None else ToolMessages(
+            teacher_tok, f"{self.key}'s tokenizer", key="xtok.mode")  # how the teacher writes the tool results
         self.vmap = VocabMap(token_bytes(student_tok, "model.student's tokenizer"),
                              token_bytes(teacher_tok, f"{self.key}'s tokenizer"), teacher_width)
         self.teacher_topk = min(int(teacher_topk), self.vmap.prefix.shape[0])
@@ -93,46 +106,87 @@ class CrossTokenizerTeacher(WrappedTeacher):
             self._closed[0] = True
             self.inner.close()
 
-    def teacher_rows(self, rows: Rows) -> tuple[Rows, list[RowText], list[int], list[int]]:
-        """The rows in the teacher's tokens, each row's two tokenizations, and where each row's response starts on
-        the student's side and on the teacher's."""
+    def teacher_rows(self, rows: Rows) -> tuple[Rows, list[RowText], list[tuple[int, int, int]]]:
+        """The rows in the teacher's tokens, each student turn's two tokenizations (one turn per row for a single
+        response), and per turn (its row, where it starts on the student's side, on the teacher's)."""
         if rows.prompts is None:
             raise TeacherError(f"{self.key}: a cross-tokenizer teacher renders each prompt through its own chat "
                                "template, and these rows carry no prompts (a teacher cache or a hand-built Rows: "
                                "give Rows(prompts=...))")
-        seqs, texts, p_t, responses = [], [], [], []
-        p_s = rows.response_starts().tolist()
-        counts = rows.response_mask.sum(-1).tolist()
-        for b, (start, n) in enumerate(zip(p_s, counts)):
-            responses.append(rows.input_ids[b, start:start + int(n)].tolist())
-        if self.same:  # one tokenizer: the student's own tokens, the identity (SPEC 6.6)
-            texts = [RowText(s_ids, s_ids) for s_ids in responses]
-        elif self.mode == "sampled":  # the fallback reads the teacher's own pieces from the boundary at c: no back-off
-            texts = [RowText(s_ids, full) for s_ids, full in zip(responses, self._retokenize(responses))]
-        else:
-            fulls = self._retokenize(responses)
-            windows = [self._windows(s_ids, full) for s_ids, full in zip(responses, fulls)]
-            pieces = self._retokenize([s_ids[i_w:i] for s_ids, win in zip(responses, windows)
-                                       for i, (i_w, _) in enumerate(win)])
-            at = 0
-            for s_ids, full, win in zip(responses, fulls, windows):
-                texts.append(RowText(s_ids, full, self._starts(full, win, pieces[at:at + len(win)])))
-                at += len(win)
-        prompts = render_prompts(self.teacher_tok, rows.prompts, use_chat_template=self.use_chat_template)
-        for prompt, rt in zip(prompts, texts):
-            seqs.append((prompt, rt.teacher_ids))
-            p_t.append(len(prompt))
-        width = max(len(p) + len(t) for p, t in seqs)
+        per_row = self._turns(rows)
+        texts = iter(self._texts([ids for runs in per_row for _, ids in runs]))
+        prompts = render_prompts(self.teacher_tok, rows.prompts, use_chat_template=self.use_chat_template,
+                                 tools=self.tools)
+        seqs, spans, all_texts = [], [], []
+        for b, (prompt, runs) in enumerate(zip(prompts, per_row)):
+            seq = list(prompt)
+            for j, (start, _) in enumerate(runs):
+                if j:  # the tool results between turn j - 1 and turn j, as the teacher's template writes them
+                    seq += self.messages.ids(rows.tool_results[b][j - 1])
+                rt = next(texts)
+                spans.append((b, start, len(seq)))
+                all_texts.append(rt)
+                seq += rt.teacher_ids
+            seqs.append(seq)
+        texts = all_texts
+        width = max(map(len, seqs))
         pad = self.teacher_tok.pad_token_id if self.teacher_tok.pad_token_id is not None else 0
         ids = torch.full((rows.num_rows, width), pad, dtype=torch.long)
         am = torch.zeros(rows.num_rows, width, dtype=torch.long)
         rm = torch.zeros(rows.num_rows, width, dtype=torch.long)
-        for b, (prompt, t_ids) in enumerate(seqs):
-            n = len(prompt) + len(t_ids)
-            ids[b, :n] = torch.tensor(prompt + t_ids, dtype=torch.long)
-            am[b, :n] = 1
-            rm[b, len(prompt):n] = 1
-        return Rows(ids, am, rm, rows.tags, rows.prompts), texts, p_s, p_t
+        for b, seq in enumerate(seqs):
+            ids[b, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            am[b, :len(seq)] = 1
+        for (b, _, t0), rt in zip(spans, texts):
+            rm[b, t0:t0 + len(rt.teacher_ids)] = 1
+        return Rows(ids, am, rm, rows.tags, rows.prompts), texts, spans
+
+    def _turns(self, rows: Rows) -> list[list[tuple[int, list]]]:
+        """Per row, its student turns as (start position, ids): the runs of its response mask (one for a single
+        response; an episode's, with the environment's tokens between them, need ``rows.tool_results``)."""
+        out = []
+        lengths = rows.attention_mask.sum(-1).tolist()
+        for b in range(rows.num_rows):
+            mask = rows.response_mask[b, :lengths[b]].tolist()
+            runs, t = [], 0
+            while t < len(mask):
+                if mask[t]:
+                    e = t
+                    while e < len(mask) and mask[e]:
+                        e += 1
+                    runs.append((t, rows.input_ids[b, t:e].tolist()))
+                    t = e
+                else:
+                    t += 1
+            if not runs:
+                runs = [(lengths[b], [])]  # nothing to score: an empty turn at the row's end
+            if len(runs) > 1:
+                results = None if rows.tool_results is None else rows.tool_results[b]
+                if self.messages is None or results is None or len(results) != len(runs) - 1:
+                    raise TeacherError(
+                        f"{self.key}: row {b} is an episode of {len(runs)} student turns, and a cross-tokenizer "
+                        f"teacher writes the tool results between them through its own chat template: it needs "
+                        + ("the run's tools (CrossTokenizerTeacher(tools=...))" if self.messages is None else
+                           f"{len(runs) - 1} tool results in Rows.tool_results, got "
+                           f"{'none' if results is None else len(results)}"))
+            out.append(runs)
+        return out
+
+    def _texts(self, turns: list[list]) -> list[RowText]:
+        """Each student turn's two tokenizations (module notes), the teacher's in its ids."""
+        if self.same:  # one tokenizer: the student's own tokens, the identity (SPEC 6.6)
+            return [RowText(s_ids, s_ids) for s_ids in turns]
+        if self.mode == "sampled":  # the fallback reads the teacher's own pieces from the boundary at c: no back-off
+            return [RowText(s_ids, full) for s_ids, full in zip(turns, self._retokenize(turns))]
+        fulls = self._retokenize(turns)
+        windows = [self._windows(s_ids, full) for s_ids, full in zip(turns, fulls)]
+        pieces = self._retokenize([s_ids[i_w:i] for s_ids, win in zip(turns, windows)
+                                   for i, (i_w, _) in enumerate(win)])
+        texts, at = [], 0
+        for s_ids, full, win in zip(turns, fulls, windows):
+            texts.append(RowText(s_ids, full, self._starts(full, win, pieces[at:at + len(win)])))
+            at += len(win)
+        return texts
 
     def _retokenize(self, responses: list[list]) -> list[list]:
         """The teacher's ids of student responses (or their prefixes): each stretch of text through the teacher's
@@ -211,12 +265,13 @@ class CrossTokenizerTeacher(WrappedTeacher):
         return starts
 
     @staticmethod
-    def candidates(got: TeacherScores, texts: list[RowText], p_t: list[int]) -> tuple[list, list, list]:
-        """Each row's teacher answer over its response (from the position before it): the top-K_T ids, their
-        log-probs, and the log-probs of the teacher's own tokens, as :func:`map_rows` takes them."""
+    def candidates(got: TeacherScores, texts: list[RowText], spans: list[tuple[int, int, int]]) -> tuple[list, list,
+                                                                                                        list]:
+        """Each turn's teacher answer over it (from the position before it): the top-K_T ids, their log-probs, and
+        the log-probs of the teacher's own tokens, as :func:`map_rows` takes them."""
         cand_ids, cand_lp, path_lp = [], [], []
-        for b, rt in enumerate(texts):
-            lo, hi = p_t[b] - 1, p_t[b] - 1 + len(rt.teacher_ids)
+        for (b, _, t0), rt in zip(spans, texts):
+            lo, hi = t0 - 1, t0 - 1 + len(rt.teacher_ids)
             cand_ids.append(got.topk.ids[b, lo:hi])
             cand_lp.append(got.topk.logprobs[b, lo:hi])
             path_lp.append(got.sampled_logprobs[b, lo:hi])
@@ -230,27 +285,28 @@ class CrossTokenizerTeacher(WrappedTeacher):
         if self.mode == "sampled" and request.k is not None:
             raise TeacherError(f"{self.key}: xtok.mode sampled gives the teacher's log-prob of the student's token "
                                "only; a top-k loss needs xtok.mode bpm")
-        t_rows, texts, p_s, p_t = self.teacher_rows(rows)
+        t_rows, texts, spans = self.teacher_rows(rows)
         got = self.inner.submit(t_rows, ScoreRequest(k=self.teacher_topk, sampled=True,
                                                      temperature=request.temperature, what=request.what)).result()
-        out = map_rows(self.vmap, texts, *self.candidates(got, texts, p_t), k=request.k, mode=self.mode)
+        out = map_rows(self.vmap, texts, *self.candidates(got, texts, spans), k=request.k, mode=self.mode)
         B, W = rows.input_ids.shape
         dtype = got.sampled_logprobs.dtype
-        pos = torch.tensor(p_s, dtype=torch.long)[out.row] + out.index - 1  # the next-token layout's row t
+        row = torch.tensor([b for b, _, _ in spans], dtype=torch.long)[out.row]  # each turn's row
+        pos = torch.tensor([s for _, s, _ in spans], dtype=torch.long)[out.row] + out.index - 1  # next-token row t
         mask = torch.ones(B, W, dtype=torch.bool)
-        mask[out.row, pos] = out.mask
+        mask[row, pos] = out.mask
         topk = None
         if request.k is not None:
             ids = torch.zeros(B, W, request.k, dtype=torch.long)
             lp = torch.full((B, W, request.k), float("-inf"), dtype=dtype)
             ok = out.mask
-            ids[out.row[ok], pos[ok]] = out.topk_ids[ok]
-            lp[out.row[ok], pos[ok]] = out.topk_logprobs[ok].to(dtype)
+            ids[row[ok], pos[ok]] = out.topk_ids[ok]
+            lp[row[ok], pos[ok]] = out.topk_logprobs[ok].to(dtype)
             topk = TeacherTopK(ids, lp, validated=True)
         sampled = None
         if request.sampled:
             sampled = torch.zeros(B, W, dtype=dtype)
-            sampled[out.row[out.mask], pos[out.mask]] = out.sampled[out.mask].to(dtype)
+            sampled[row[out.mask], pos[out.mask]] = out.sampled[out.mask].to(dtype)
         stats = {"positions": float(out.row.numel()), "exact": float(out.exact.sum()),
                  "masked": float((~out.mask).sum()), "residual": float(out.residual.sum())}
         return TeacherScores(topk, sampled, mask=mask, sums=stats)

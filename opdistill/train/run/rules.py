@@ -308,10 +308,9 @@ def _function_spec(spec: str, key: str, expected: str) -> None:
 
 def check_env(cfg) -> None:
     """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: not sharded
-    decoding, one tokenizer, rows the run samples."""
-    why = "with env.tools (episodes run on replicated samplers, one tokenizer, rows the run samples: docs/episodes.md)"
+    decoding, rows the run samples."""
+    why = "with env.tools (episodes run on replicated samplers, over rows the run samples: docs/episodes.md)"
     _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
-    _need(cfg.xtok.mode == "off", "xtok.mode", f"off {why}", cfg.xtok.mode)
     _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)
 
 

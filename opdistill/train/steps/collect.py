@@ -144,7 +144,8 @@ class Collector:
             rows = Rows(ro.input_ids, ro.attention_mask, ro.response_mask,
                         tags=tuple(problems[i].task or cfg.data.task for i in ro.prompt_index),
                         prompts=tuple(problems[i].prompt for i in ro.prompt_index),
-                        teacher_prompts=None if x_t is None else tuple(x_t[i] for i in ro.prompt_index))
+                        teacher_prompts=None if x_t is None else tuple(x_t[i] for i in ro.prompt_index),
+                        tool_results=None if ro.episode_results is None else tuple(ro.episode_results))
         rewards, per_function = self.rewards([problems[i] for i in ro.prompt_index], ro.texts, step)
         if cfg.train.method == "rl" or cfg.loss.use_task_rewards:
             data.advantages = group_advantages(rewards, ro.prompt_index)

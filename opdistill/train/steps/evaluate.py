@@ -106,7 +106,8 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     x_t = None if teacher_prompt is None else [teacher_prompt(p) for p in problems]
     scores = teacher.score(Rows(s.input_ids, s.attention_mask, s.response_mask,
                                 prompts=tuple(problems[i].prompt for i in idx),
-                                teacher_prompts=None if x_t is None else tuple(x_t[i] for i in idx)),
+                                teacher_prompts=None if x_t is None else tuple(x_t[i] for i in idx),
+                                tool_results=None if s.episode_results is None else tuple(s.episode_results)),
                            ScoreRequest(k=topk, sampled=True, what="evaluation"))  # any Teacher (opdistill.teachers)
     if scores.mask is not None:  # a cross-tokenizer teacher: positions without a signal (SPEC 6.6) are not measured,
         # nor the student's tokens its mapped top-K_T gives probability 0 (no sampled-token signal there: the
