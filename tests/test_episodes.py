@@ -625,13 +625,48 @@ def test_a_cross_tokenizer_teacher_of_one_tokenizer_trains_on_episodes_as_the_pl
     assert seen[1][0] == pytest.approx(seen[0][0], rel=1e-5) and seen[1][1] == pytest.approx(seen[0][1], rel=1e-5)
 
 
+def test_a_teacher_cache_of_episodes_is_scored_and_trained_on(episode_run, tok, env, tmp_path):
+    """``opdistill score`` with tools writes episodes (the writer's, with the tool results between its turns, the
+    mask on its own tokens) and the teacher's scores of them; off-policy KD trains from that cache."""
+    from opdistill.data import PromptSource
+    from opdistill.teachers import load_cache
+    from opdistill.train import run_training
+    from opdistill.train.assemble import build_task
+    from opdistill.train.commands import score_cache
+
+    tmp, base = episode_run
+    cfg = load_config(base={**base, "run_dir": str(tmp_path / "kd")})
+    path, n_rows, tokens = score_cache(cfg, tmp_path / "cache.safetensors", num_prompts=2, writer="student")
+    cache = load_cache(path)
+    from opdistill.models import load_model
+
+    writer = load_model(base["model"]["student"])
+    problems = PromptSource(build_task(cfg), cfg.train.seed).batch(0, 2)
+    torch.manual_seed(cfg.train.seed)
+    ref = run_episodes(writer, tok, [env.prompt(p.prompt) for p in problems], env, n=2, temperature=1.0,
+                       max_new_tokens=80, seed=cfg.train.seed, step=0)
+    W = ref.input_ids.shape[1]
+    assert n_rows == ref.num_rows == 4 and tokens == int(ref.response_mask.sum())
+    for name in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(cache[name][:, :W], getattr(ref, name)), name
+    assert ref.episode_sums[:, EPISODE_SUMS.index("used_tool")].sum() > 0  # holes: the tool's tokens, unscored
+    assert (cache["scores"].sampled_logprobs[:, :-1][cache["response_mask"][:, 1:] == 0] == 0).all()
+    kd = {**base, "run_dir": str(tmp_path / "kd"), "train": {**base["train"], "method": "off_policy"},
+          "data": {**base["data"], "teacher_cache": str(path)}, "checkpoint": {"every": 0}}
+    run_training(load_config(base=kd), quiet=True)
+    lines = [json.loads(x) for x in (tmp_path / "kd" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "distillation/loss" in m] == [1, 2]
+    assert all(m["train/response_len"] == tokens / n_rows for m in lines if "distillation/loss" in m)
+
+
 def test_episode_settings_the_run_cannot_honour_are_refused_in_one_line(episode_run, tmp_path):
     from opdistill.train.run.rules import check_config
 
     tmp, base = episode_run
-    why = "with env.tools (episodes run on replicated samplers, over rows the run samples: docs/episodes.md)"
     for change, message in [
-        ({"distributed": {"decode": "sharded"}}, f"distributed.decode: expected replica {why}, got 'sharded'"),
+        ({"distributed": {"decode": "sharded"}}, "distributed.decode: expected replica with env.tools (episodes end "
+         "at different turns on different ranks, and a sharded decode steps every rank's forwards together: "
+         "docs/episodes.md), got 'sharded'"),
         ({"env": {"tools": ["add"]}}, "env.tools.0: expected 'module:function' or 'file.py:function', got 'add'"),
     ]:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}

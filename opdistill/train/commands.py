@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from opdistill.data import PromptSource, render_prompt
+from opdistill.engines.vllm import EngineSet
 from opdistill.errors import ConfigError
 from opdistill.models import resolve_model_path
 from opdistill.runs.outputs import check_output_path, output_lock
@@ -98,8 +99,9 @@ def evaluate_run(cfg, *, checkpoint: str | None = None, run_dir: Path | None = N
 
 def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bool = False) -> tuple[Path, int, int]:
     """``opdistill score``: ``num_prompts`` prompts of step 0, ``rollout.n`` rows each written by ``writer`` (the
-    teacher or the student), scored by ``model.teacher`` in this process, saved as a teacher cache at ``out``
-    (opdistill/teachers/cache.py). Returns (the cache's path, its rows, their response tokens)."""
+    teacher or the student; with tools, episodes: SPEC 6.8), scored by ``model.teacher`` in this process, saved as a
+    teacher cache at ``out`` (opdistill/teachers/cache.py). Returns (the cache's path, its rows, their response
+    tokens: the writer's own)."""
     if cfg.teacher.context is not None:
         raise ConfigError("teacher.context: expected null for opdistill score (a teacher cache holds scores made "
                           "under the student's prompts, which data.teacher_cache trains on)")
@@ -113,17 +115,17 @@ def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bo
     if teacher is None:
         raise ConfigError("model.teacher: expected a model folder to score with, got None")
     task = build_task(cfg)
-    check_against_models(cfg, tok, student, teacher, task, training=False)  # K, lengths: before generating
+    env = build_env(cfg, tok)  # tools: the rows are episodes
+    check_against_models(cfg, tok, student, teacher, task, training=False, env=env)  # K, lengths: before generating
     problems = PromptSource(task, cfg.train.seed).batch(0, num_prompts)
-    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) for p in problems]
+    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) if env is None
+               else env.prompt(p.prompt) for p in problems]
     rc = cfg.rollout
     torch.manual_seed(cfg.train.seed)
-    from opdistill.engines.rollout import generate_rollouts
-
-    ro = generate_rollouts(teacher if writer == "teacher" else student, tok, prompts, n=rc.n,
-                           temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                           max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
-                           batch_size=rc.batch_size, seed=cfg.train.seed, step=0)
+    ro = EngineSet().generate_rollouts(teacher if writer == "teacher" else student, tok, prompts, env=env, n=rc.n,
+                                       temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                                       max_new_tokens=rc.max_new_tokens, min_new_tokens=rc.min_new_tokens,
+                                       batch_size=rc.batch_size, seed=cfg.train.seed, step=0)
     scorer = build_teacher(cfg, TeacherContext(tokenizer=tok, student=student, models={"model.teacher": teacher}),
                            train=False).eval  # model.teacher in this process
     scores = scorer.score(Rows(ro.input_ids, ro.attention_mask, ro.response_mask),

@@ -307,11 +307,11 @@ def _function_spec(spec: str, key: str, expected: str) -> None:
 
 
 def check_env(cfg) -> None:
-    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: not sharded
-    decoding, rows the run samples."""
-    why = "with env.tools (episodes run on replicated samplers, over rows the run samples: docs/episodes.md)"
-    _need(cfg.distributed.decode == "replica", "distributed.decode", f"replica {why}", cfg.distributed.decode)
-    _need(cfg.data.teacher_cache is None, "data.teacher_cache", f"null {why}", cfg.data.teacher_cache)
+    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: replicated
+    samplers (a sharded decode steps every rank's forwards together, and episodes end at different turns)."""
+    _need(cfg.distributed.decode == "replica", "distributed.decode", "replica with env.tools (episodes end at "
+          "different turns on different ranks, and a sharded decode steps every rank's forwards together: "
+          "docs/episodes.md)", cfg.distributed.decode)
 
 
 def _env(cfg) -> None:
