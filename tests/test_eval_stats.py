@@ -94,7 +94,8 @@ def test_summarize_every_metric_and_cat_across_ranks():
                       sampled_correct=t(rng.integers(0, 3, P)), tokens=tokens, k1_sum=t(rng.normal(size=P)),
                       k3_sum=t(rng.random(P)), tail_kl_sum=t(rng.random(P)), student_mass_sum=tokens * 0.4,
                       teacher_mass_sum=tokens * t(rng.random(P)), overlap_count=t(rng.integers(0, 8, P)),
-                      overlap_slots=tokens * 8)
+                      overlap_slots=tokens * 8, greedy_used_tool=t(rng.random(P) < 0.7),
+                      sampled_used_tool=t(rng.integers(0, 3, P)))
     out = summarize(vals, resamples=200, seed=3)
     for name, (num, den) in METRICS.items():
         a, b = getattr(vals, num).numpy(), getattr(vals, den).numpy()

@@ -19,7 +19,7 @@ from opdistill.runs.plot import LABELS, PANELS, plot_run
 from tests.trainer_helpers import tiny_config_dict
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
-METRIC = re.compile(r"`((?:distillation|policy|task|loss|train|time|perf|eval|rollout)/[a-z_]+)`")
+METRIC = re.compile(r"`((?:distillation|policy|task|loss|train|time|perf|eval|rollout|env)/[a-z_]+)`")
 LOSS_PANEL = dict(PANELS)["loss"]
 
 
@@ -46,6 +46,14 @@ def runs(tmp_path_factory):
     configs["pipelined"] = tiny_config_dict(  # train.max_staleness: the staleness, waits and ICE-POP names
         tmp, steps=2, eval={"num_prompts": 0}, checkpoint={"every": 0, "save_final": False},
         train={"max_staleness": 1}, rollout={"correction": "icepop", "icepop_band": [0.5, 2.0]})
+    from opdistill.env.demo import ENV_CONFIG
+
+    configs["episodes"] = {  # tools (SPEC 6.8): the env/* names and the evaluation's tool use
+        "model": {"student": "builtin:demo-tool-student", "teacher": "builtin:demo-tool-teacher"},
+        "data": {"task": "lookup_add", "prompts_per_step": 2}, "env": ENV_CONFIG, "rollout": {"n": 2},
+        "loss": {"loss_mode": "topk", "topk": 8, "divergence": "reverse"},
+        "train": {"steps": 1, "threads": 1}, "eval": {"every": 1, "num_prompts": 2, "batch_size": 2},
+        "checkpoint": {"every": 0, "save_final": False}, "log": {"tensorboard": False, "progress": False}}
     out = {}
     for name, cfg in configs.items():
         cfg["run_dir"] = str(tmp / name)
