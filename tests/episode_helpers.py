@@ -83,3 +83,30 @@ def memorize(model, tok, episodes, *, steps: int = 300, lr: float = 1e-2, seed: 
         opt.step()
     model.eval()
     return float(loss.detach())
+
+
+def sharded_episodes(rank: int, world: int, out_dir: str) -> None:
+    """(tests/parallel_launch.py) The tool-calling student saved in ``out_dir/student``, FSDP2-sharded over the ranks,
+    runs one greedy episode per rank: rank 0's calls a tool (two turns), rank 1's answers at once (one turn), so rank
+    1 must take part in rank 0's second turn with an empty one. Each rank writes its row."""
+    import json
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard
+
+    from opdistill.engines.episodes import run_episodes
+    from opdistill.env import Environment, Tools
+    from opdistill.models import load_model
+
+    tok = tool_tokenizer()
+    model = load_model(str(Path(out_dir) / "student"))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    env = Environment(Tools([add, echo]), tok, max_turns=3, max_episode_tokens=120)
+    prompt = ["2+3", "hi"][rank]
+    ro = run_episodes(model, tok, [env.prompt(prompt)], env, greedy=True, max_new_tokens=80)
+    n = int(ro.attention_mask[0].sum())
+    (Path(out_dir) / f"episode_rank{rank}.json").write_text(json.dumps(
+        {"ids": ro.input_ids[0, :n].tolist(), "mask": ro.response_mask[0, :n].tolist(),
+         "sums": ro.episode_sums[0].tolist()}))

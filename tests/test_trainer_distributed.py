@@ -218,6 +218,8 @@ def runs(tmp_path_factory):
         {"name": "xtok", "config": _with_run_dir(cfgs["xtok"], tmp / "w2_xtok")},
         {"name": "ctx", "config": _with_run_dir(cfgs["ctx"], tmp / "w2_ctx")},
         {"name": "ep", "config": _with_run_dir(cfgs["ep"], tmp / "w2_ep")},
+        {"name": "ep_dsharded", "config": _with_run_dir({**cfgs["ep"], "distributed": {"decode": "sharded"}},
+                                                        tmp / "w2_ep_dsharded")},
         {"name": "gemma", "config": _with_run_dir(cfgs["gemma"], tmp / "w2_gemma")},
         {"name": "gemma_dsharded", "config": _with_run_dir({**cfgs["gemma"], "distributed": {"decode": "sharded"}},
                                                            tmp / "w2_gemma_dsharded")},
@@ -446,6 +448,29 @@ def test_decoding_from_the_shards_equals_world1(runs):
     for a, b in zip(rows, want):
         for k in b:
             assert a[k] == b[k] if k.endswith("_acc") else a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), k
+
+
+def test_episodes_decoded_from_the_shards_equal_world1(runs):
+    """Episodes with ``distributed.decode: sharded`` (SPEC 6.8): each rank's episodes end at their own turns, and a
+    rank with none left takes part in the others' turns with empty ones, so the FSDP2 forwards stay in step; the
+    same tokens, losses and env/* counts as world 1, and the same evaluation."""
+    tmp, _, tokens1 = runs
+    assert _world2_tokens(tmp / "out", "ep_dsharded") == tokens1["ep"]
+    for rank in (0, 1):
+        seen = json.loads((tmp / "out" / f"ep_dsharded_decoding_rank{rank}.json").read_text())
+        assert seen["forwards"] > 50 and seen["student_shards"], (rank, seen)
+    w1, w2 = _losses(tmp / "w1_ep"), _losses(tmp / "w2_ep_dsharded")
+    assert len(w1) == 3
+    _assert_close_rows(w2, w1, abs_tol=LOSS_ABS)
+    env1, env2 = ([{k: v for k, v in r.items() if k.startswith("env/")} for r in read_metrics(run) if "env/turns" in r]
+                  for run in (tmp / "w1_ep", tmp / "w2_ep_dsharded"))
+    assert env2 == env1 and len(env1) == 3
+    rows, want = _eval_rows(tmp / "w2_ep_dsharded"), _eval_rows(tmp / "w1_ep")
+    assert len(rows) == len(want) == 2 and set(rows[0]) == set(want[0])
+    for a, b in zip(rows, want):
+        for k in b:
+            assert a[k] == b[k] if k.endswith(("_acc", "_used_tool")) else a[k] == pytest.approx(b[k], rel=1e-4,
+                                                                                                abs=1e-9), k
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma_dsharded", "tp_gemma"])

@@ -10,6 +10,9 @@ Design notes
   episode's token budget (``env.max_episode_tokens`` after the prompt). A turn that did not end at EOS ends the
   episode, ``truncated``; so does a turn without a tool call, and the ``max_turns``-th turn.
   An environment answer that would pass the budget ends the episode, truncated, without it.
+- A student sharded over the ranks (``distributed.decode: sharded``) decodes in step with the other ranks: every
+  rank runs a turn while any rank has a live episode, a rank with none taking part with an empty turn (its
+  forwards answer the others' gathers).
 - Our sampler prefills each prefix again at every turn (no KV cache is kept between turns: it would hold every live
   episode's cache across the tool calls); the cost is one prefill per turn per episode. The vLLM student engine
   (``engine``) keeps its prefix cache and stays awake from the first turn to the last, so a turn's prefill reuses
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opdistill.engines.rollout import RolloutBatch, make_batch, warn_off_policy
-from opdistill.engines.sampler import sample
+from opdistill.engines.sampler import lockstep, sample
 from opdistill.env import Environment
 
 __all__ = ["EPISODE_SUMS", "run_episodes"]
@@ -88,6 +91,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
                                     turn=turn, stay_awake=True, **kw)
         return tokens, lps, None
 
+    lock = lockstep(model) if engine is None else None  # a sharded student: turns in step with the other ranks
     episodes: list[_Episode] = []
     live: list[_Episode] = []
     for turn in range(env.max_turns):
@@ -99,7 +103,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
             live = list(episodes)
         else:
             tokens, lps, tops = draw([prompts[e.prompt] + e.tokens for e in live], 1,
-                                     min(max_new_tokens, max(budget - len(e.tokens) for e in live)),
+                                     min(max_new_tokens, max((budget - len(e.tokens) for e in live), default=1)),
                                      [prompt_offset + e.prompt for e in live], turn, [e.sample for e in live])
         going = []
         for r, e in enumerate(live):
@@ -131,7 +135,7 @@ def run_episodes(model, tokenizer, prompts: list[list[int]], env: Environment, *
             e.counts["env_tokens"] += len(answer.ids)
             going.append(e)
         live = going
-        if not live:
+        if not (lock.any(bool(live)) if lock is not None else live):
             break
     if engine is not None:
         engine.sleep()

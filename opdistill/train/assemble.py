@@ -52,7 +52,7 @@ from opdistill.train.steps.pipeline import Pipeline
 from opdistill.train.run.placement import place_models, run_device
 from opdistill.train.disk.preflight import (ModelInfo, check_before_loading, check_context, check_finite_model,
                                        check_finite_weights, check_loaded, check_model_folders, resolve_folder)
-from opdistill.train.run.rules import check_env, check_layout
+from opdistill.train.run.rules import check_layout
 from opdistill.train.disk.rundir import (RunDir, RunWarning, check_checkpoint_config, check_holds_run, open_run_dir,
                                     set_aside_evaluations)
 from opdistill.train.disk.wandb_log import open_wandb
@@ -379,8 +379,6 @@ def build_env(cfg: TrainerConfig, tok, given: tuple | dict = ()) -> Environment 
                           "the tools in one place")
     if not (given or cfg.env.tools):
         return None
-    if given:  # env.tools were checked with the config (rules._env)
-        check_env(cfg)
     ec = cfg.env
     limits = dict(timeout_s=ec.tool_timeout_s, max_result_chars=ec.max_result_chars)
     tools = Tools(given, key="tools", **limits) if given else Tools.from_specs(ec.tools, **limits)

@@ -17,7 +17,7 @@ from typing import Any
 from opdistill.errors import ConfigError, quote
 from opdistill.teachers.build import teacher_sources
 
-__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_env", "check_layout", "check_urls",
+__all__ = ["RULES", "FLOAT32_MAX", "check_backend", "check_config", "check_layout", "check_urls",
            "lora_targets", "no_credentials", "redact_url"]
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -306,20 +306,10 @@ def _function_spec(spec: str, key: str, expected: str) -> None:
     _need(sep and where and attr.isidentifier(), key, expected, spec)
 
 
-def check_env(cfg) -> None:
-    """Episodes (SPEC 6.8: a run with tools, from ``env.tools`` or handed in) with what runs them: replicated
-    samplers (a sharded decode steps every rank's forwards together, and episodes end at different turns)."""
-    _need(cfg.distributed.decode == "replica", "distributed.decode", "replica with env.tools (episodes end at "
-          "different turns on different ranks, and a sharded decode steps every rank's forwards together: "
-          "docs/episodes.md)", cfg.distributed.decode)
-
-
 def _env(cfg) -> None:
-    """``env.tools`` named as the loader reads them, and what runs episodes (:func:`check_env`)."""
+    """``env.tools`` named as the loader reads them."""
     for i, spec in enumerate(cfg.env.tools):
         _function_spec(spec, f"env.tools.{i}", "'module:function' or 'file.py:function'")
-    if cfg.env.tools:
-        check_env(cfg)
 
 
 def _task_rewards(cfg) -> None:
