@@ -757,6 +757,16 @@ def test_lookup_add_needs_the_tool_and_its_worked_episode_solves_it():
     assert env.respond('[{"name":"f","arguments":{"k":1000}}]').observations[0].text == (
         "error: f raised ValueError: no key 1000: keys are 0 to 999")
     assert env.respond(answer_turn) is None  # the answer calls nothing: the episode ends
+    # answer: number (a chat model's last turn): the last number is the sum; worked examples say so
+    chat = make_task("lookup_add", min_digits=1, max_digits=1, answer="number")
+    q = chat.sample(random.Random(1))
+    assert len(q.prompt.split("+")[1]) == 2 and chat.worked(q) == f"The answer is {q.answer}."  # "b=": one digit
+    assert chat.score(q, f"f(3) = 9, so the sum is {q.answer}.") == 1.0
+    assert chat.score(q, f"{q.answer} is not it: 7") == 0.0 and chat.score(q, q.solution) == 1.0  # its last number
+    assert task.score(p, f"The answer is {p.answer}.") == 0.0  # worked (the demo's): the sum after the last '>'
+    with pytest.raises(ConfigError, match=r"^data.task_args: lookup_add: expected answer 'worked' or 'number', got "
+                                          r"'text'$"):
+        make_task("lookup_add", answer="text")
 
 
 def test_the_shipped_tools_config_matches_the_demo_environment():

@@ -119,14 +119,20 @@ def lookup_value(k: int) -> int:
 class LookupAdditionTask(Task):
     """``f(k)+b=``: add ``b`` to the value a tool holds for key ``k`` (the demo environment of SPEC 6.8: the value
     is in no prompt, so only an episode that calls ``f``, ``opdistill.env.demo:f``, can answer). The worked episode
-    (:meth:`script`): a call, then the worked addition of the result and ``b`` (carry_add's columns)."""
+    (:meth:`script`): a call, then the worked addition of the result and ``b`` (carry_add's columns).
+
+    ``answer``: how the last turn gives the sum. ``worked`` (the demo models'): carry_add's columns, the sum after
+    the last ``>``. ``number`` (a chat model's): the last number in the turn, as gsm_symbolic reads it (worked
+    examples show ``The answer is N.``)."""
 
     name = "lookup_add"
 
-    def __init__(self, min_digits: int = 3, max_digits: int = 3):
+    def __init__(self, min_digits: int = 3, max_digits: int = 3, answer: str = "worked"):
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"lookup_add: expected 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-        self.min_digits, self.max_digits = min_digits, max_digits
+        if answer not in ("worked", "number"):
+            raise ValueError(f"lookup_add: expected answer 'worked' or 'number', got {answer!r}")
+        self.min_digits, self.max_digits, self.answer = min_digits, max_digits, answer
 
     def sample(self, rng: random.Random) -> Problem:
         k = rng.randint(0, 999)
@@ -142,7 +148,13 @@ class LookupAdditionTask(Task):
         k = int(problem.prompt[2:problem.prompt.index(")")])
         return ['[{"name":"f","arguments":{"k":%d}}]' % k, problem.solution]
 
-    score = CarryAdditionTask.score  # the final sum after the last '>' of the last turn
+    def worked(self, problem: Problem) -> str:
+        return problem.solution if self.answer == "worked" else GsmSymbolicTask.worked(self, problem)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        if self.answer == "worked":  # the final sum after the last '>' of the last turn
+            return CarryAdditionTask.score(self, problem, completion)
+        return GsmSymbolicTask.score(self, problem, completion)  # the last number
 
 
 class GsmSymbolicTask(Task):
