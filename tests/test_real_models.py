@@ -8,7 +8,7 @@
 - SmolLM2-135M-Instruct self-distilled from its own five worked examples (configs/smollm2_self_distill.yaml) for a
   few steps: its held-out greedy accuracy rises from the start's;
 - SmolLM2-135M-Instruct in episodes with a tool (configs/smollm2_tools_self_distill.yaml), learning from its own
-  worked tool episodes: it never calls the tool at the start, and does after 4 steps.
+  worked tool episodes: it never calls the tool at the start, and does after 4 steps, answering some problems.
 """
 import importlib.util
 import subprocess
@@ -96,8 +96,9 @@ def test_self_distillation_from_a_few_shot_context_lifts_held_out_accuracy(tmp_p
 
 def test_smollm2_learns_to_call_a_tool_from_its_privileged_context(tmp_path):
     """configs/smollm2_tools_self_distill.yaml for 4 steps (issue 36 item 6): zero-shot SmolLM2 never calls the
-    lookup tool (greedy, 16 held-out problems); its teacher, itself shown the call format and three worked episodes,
-    writes episodes that call it, and after 4 off-policy steps on them the student calls it greedily."""
+    lookup tool and answers none of 16 held-out problems (greedy); its teacher, itself shown the call format and
+    three worked episodes, writes episodes that call it, and after 4 off-policy steps on them the student calls it
+    greedily and answers some (0.53 of 32 measured; the teacher's own greedy accuracy there is 0.41)."""
     cfg = load_config("configs/smollm2_tools_self_distill.yaml", [
         f"run_dir={tmp_path / 'tools'}", "train.steps=4", "eval.every=4", "eval.num_prompts=16",
         "eval.batch_size=16", "checkpoint.save_final=false", "log.progress=false", "log.tensorboard=false"])
@@ -105,6 +106,7 @@ def test_smollm2_learns_to_call_a_tool_from_its_privileged_context(tmp_path):
     history = summary["eval_history"]
     assert [e["step"] for e in history] == [0, 4]
     assert history[0]["eval/greedy_used_tool"] == 0.0 and history[-1]["eval/greedy_used_tool"] >= 0.5, history
+    assert history[0]["eval/greedy_acc"] == 0.0 and history[-1]["eval/greedy_acc"] >= 0.2, history
     steps = _steps(tmp_path / "tools")
     assert all(r["env/tool_calls"] > 0.5 for r in steps)  # the teacher's episodes, which the student learns
     print({k: history[-1][k] for k in ("eval/greedy_used_tool", "eval/greedy_acc")})

@@ -55,13 +55,18 @@ def demo():
     return tok, student, teacher, prompts
 
 
-@pytest.fixture(scope="module")
-def student_engine(demo):
+def _student_engine(folder: str):
+    """A vLLM student engine on ``folder``, closed when the module's tests are done."""
     from opdistill.engines.vllm import VllmEngine
 
-    eng = VllmEngine(f"{DEMO}/student", role="student", dtype="float32", seed=0)
+    eng = VllmEngine(folder, role="student", dtype="float32", seed=0)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def student_engine(demo):
+    yield from _student_engine(f"{DEMO}/student")
 
 
 @pytest.fixture(scope="module")
@@ -458,11 +463,7 @@ def tools_demo():
 
 @pytest.fixture(scope="module")
 def tool_engine(tools_demo):
-    from opdistill.engines.vllm import VllmEngine
-
-    eng = VllmEngine(f"{DEMO}/tool-student", role="student", dtype="float32", seed=0)
-    yield eng
-    eng.close()
+    yield from _student_engine(f"{DEMO}/tool-student")
 
 
 @pytest.mark.vllm
