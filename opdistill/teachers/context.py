@@ -43,8 +43,8 @@ class ContextTeacher(WrappedTeacher):
 
     def __init__(self, inner: Teacher, tokenizer, *, use_chat_template: bool = True, max_positions: int | None = None,
                  tools: list | None = None):
-        super().__init__(inner)
-        self.tools = tools  # its groups: by the rows' tags, the teacher's rows being the student's row for row
+        super().__init__(inner)  # its groups: by the rows' tags, the teacher's rows being the student's row for row
+        self.tools = tools
         # its own copy: the pipelined step scores in another thread than the evaluation's rendering, and a fast
         # tokenizer refuses two threads at once
         self.tokenizer, self.use_chat_template = copy.deepcopy(tokenizer), use_chat_template
