@@ -22,7 +22,7 @@ from opdistill.env.tools import CallFormat, Observation, Tools
 from opdistill.errors import ConfigError
 from opdistill.xtok.tokens import render_chat
 
-__all__ = ["Environment", "EnvTurn", "ToolMessages"]
+__all__ = ["Environment", "EnvTurn", "ToolMessages", "prompt_renderer"]
 
 _PROBE = "opdistill-probe-7f3a"  # a result text no template writes by itself
 
@@ -74,6 +74,14 @@ class ToolMessages:
     def ids(self, results) -> list[int]:
         """:meth:`text` in the tokenizer's ids."""
         return list(self.tokenizer(self.text(results), add_special_tokens=False)["input_ids"])
+
+
+def prompt_renderer(tokenizer, env: "Environment | None", *, use_chat_template: bool = True):
+    """How a run renders a problem's prompt into token ids: through ``env`` (its tools listed) when the run has one,
+    else :func:`~opdistill.data.prompts.render_prompt`."""
+    if env is not None:
+        return env.prompt
+    return lambda prompt: render_prompt(tokenizer, prompt, use_chat_template=use_chat_template)
 
 
 class Environment:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from opdistill.data import PromptSource, render_prompt
+from opdistill.data import PromptSource
 from opdistill.engines.vllm import EngineSet
+from opdistill.env import prompt_renderer
 from opdistill.errors import ConfigError
 from opdistill.models import resolve_model_path
 from opdistill.runs.outputs import check_output_path, output_lock
@@ -118,8 +119,8 @@ def score_cache(cfg, out, *, num_prompts: int, writer: str = "teacher", fp16: bo
     env = build_env(cfg, tok)  # tools: the rows are episodes
     check_against_models(cfg, tok, student, teacher, task, training=False, env=env)  # K, lengths: before generating
     problems = PromptSource(task, cfg.train.seed).batch(0, num_prompts)
-    prompts = [render_prompt(tok, p.prompt, use_chat_template=cfg.data.use_chat_template) if env is None
-               else env.prompt(p.prompt) for p in problems]
+    render = prompt_renderer(tok, env, use_chat_template=cfg.data.use_chat_template)
+    prompts = [render(p.prompt) for p in problems]
     rc = cfg.rollout
     torch.manual_seed(cfg.train.seed)
     ro = EngineSet().generate_rollouts(teacher if writer == "teacher" else student, tok, prompts, env=env, n=rc.n,

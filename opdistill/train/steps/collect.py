@@ -18,17 +18,16 @@ teacher's request may still be on its way when the step starts (a remote teacher
 """
 from __future__ import annotations
 
-import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from opdistill.data import PromptSource, Rewards, Task, TeacherPrompt, render_prompt
+from opdistill.data import PromptSource, Rewards, Task, TeacherPrompt
 from opdistill.engines.episodes import EPISODE_SUMS
 from opdistill.engines.vllm import EngineSet
-from opdistill.env import Environment
+from opdistill.env import Environment, prompt_renderer
 from opdistill.loss import TeacherScores
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 from opdistill.train.run.distributed import DistContext
@@ -193,8 +192,7 @@ class Collector:
         cfg, rc = self.cfg, self.cfg.rollout
         offset, count = self.ctx.share(cfg.data.prompts_per_step)
         problems = self.source.batch(step, cfg.data.prompts_per_step)[offset:offset + count]
-        render = self.env.prompt if self.env is not None else functools.partial(
-            render_prompt, self.tok, use_chat_template=cfg.data.use_chat_template)  # an episode's: tools listed
+        render = prompt_renderer(self.tok, self.env, use_chat_template=cfg.data.use_chat_template)
         prompts = [render(p.prompt) for p in problems]
         x_t = None if self.context is None else [self.context(p) for p in problems]
         torch.manual_seed(cfg.train.seed * 1_000_003 + step)

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from opdistill import shift_for_next_token
-from opdistill.data import Problem, Task, render_prompt
+from opdistill.data import Problem, Task
 from opdistill.ops import topk_divergence
 from opdistill.engines.episodes import EPISODE_SUMS, run_episodes
 from opdistill.engines.rollout import generate_rollouts
 from opdistill.engines.sampler import Lockstep, lockstep
+from opdistill.env import prompt_renderer
 from opdistill.runs.values import EvalValues
 from opdistill.teachers import Rows, ScoreRequest, Teacher
 
@@ -74,12 +75,9 @@ def evaluate_values(student, tokenizer, task: Task, problems: list[Problem], *, 
     vals = EvalValues(problems=torch.ones(P, dtype=torch.float64))
     if not problems:
         return vals
-    if env is None:
-        prompts = [render_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template) for p in problems]
-        rollouts = generate_rollouts
-    else:
-        prompts = [env.prompt(p.prompt) for p in problems]
-        rollouts = functools.partial(run_episodes, env=env)
+    render = prompt_renderer(tokenizer, env, use_chat_template=use_chat_template)
+    prompts = [render(p.prompt) for p in problems]
+    rollouts = generate_rollouts if env is None else functools.partial(run_episodes, env=env)
     if greedy:
         g = rollouts(student, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, want_logprobs=False)
